@@ -1,0 +1,1 @@
+"""Generic controller machinery (work queue, workers, manager, health). Above ``k8s``."""

@@ -1,0 +1,1 @@
+"""Logging, metrics and traces; the only importer of opentelemetry. Layer above ``models``."""

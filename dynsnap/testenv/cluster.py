@@ -1,0 +1,251 @@
+"""The whole local environment as one object: network, control plane, CRDs, kwok, nodes,
+and pods that really run (sandbox + stub kubelet).
+
+``LocalCluster.start()`` brings everything up in dependency order and ``stop()`` tears it
+all down even after a failure half-way; the pytest session fixtures and ``dynsnap demo``
+both use it. Logs of every component stay in ``workdir/logs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from importlib import resources as pkg_resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import ApiError, Conflict, NotFound
+from dynsnap.models import resources as R
+from dynsnap.testenv.controlplane import ControlPlane, free_port
+from dynsnap.testenv.kubelet import StubKubelet
+from dynsnap.testenv.kwok import fake_node, kwok_process
+from dynsnap.testenv.process import Supervised
+from dynsnap.testenv.sandbox import PodSandbox, SandboxNetwork
+
+log = logging.getLogger(__name__)
+
+# Fake nodes and their pod CIDRs, inside the sandbox network's /16.
+NODES = {"node-a": "10.213.1.0/24", "node-b": "10.213.2.0/24"}
+TEST_NAMESPACE = "dynamo"
+DYNAMO_USER = "dynamo-pod"  # the identity Dynamo's frontend and workers use (pods' service account stand-in)
+
+
+async def wait_for(what: str, check: Any, *, timeout: float, interval: float = 0.1) -> Any:
+    """Await ``check()`` until it returns something truthy; bounded by ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = await check()
+            if value:
+                return value
+        except (ApiError, OSError) as e:
+            last_exc = e
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_exc})"
+                                                                               if last_exc else ""))
+
+
+def resolve_env(pod: Obj, container: Obj) -> dict[str, str]:
+    """The container's env as kubelet resolves it (literal values and downward-API fieldRefs)."""
+    fields = {
+        "metadata.name": pod["metadata"]["name"],
+        "metadata.namespace": pod["metadata"]["namespace"],
+        "metadata.uid": pod["metadata"]["uid"],
+        "spec.nodeName": pod["spec"].get("nodeName", ""),
+        "status.podIP": pod.get("status", {}).get("podIP", ""),
+    }
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+        elif "fieldRef" in item.get("valueFrom", {}):
+            path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            if path not in fields:
+                raise ValueError(f"env {item['name']}: fieldRef {path} is not supported by the test kubelet")
+            env[item["name"]] = fields[path]
+    return env
+
+
+@dataclass
+class RunningPod:
+    """A pod the harness really runs: the API object's identity plus its sandbox and prober."""
+
+    name: str
+    namespace: str
+    uid: str
+    ip: str
+    node: str
+    sandbox: PodSandbox
+    kubelet: StubKubelet
+
+    async def stop(self) -> None:
+        await self.kubelet.stop()
+        await self.sandbox.stop()
+
+
+@dataclass
+class LocalCluster:
+    workdir: Path
+    net: SandboxNetwork = field(default_factory=SandboxNetwork)
+    cp: ControlPlane | None = None
+    kube: Kube | None = None
+    kwok: Supervised | None = None
+    pods: dict[tuple[str, str], RunningPod] = field(default_factory=dict)
+    admin_kubeconfig: Path | None = None
+    pod_kubeconfig: Path | None = None
+
+    @property
+    def api(self) -> Kube:
+        assert self.kube is not None, "cluster not started"
+        return self.kube
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        if self.workdir.exists():
+            shutil.rmtree(self.workdir)
+        self.workdir.mkdir(parents=True, mode=0o700)
+        await self.net.up()
+        self.cp = ControlPlane(self.workdir, bind_address=self.net.gateway)
+        await self.cp.start(extra_identities={"kwok": ("kwok", ("system:masters",)),
+                                              "dynamo": (DYNAMO_USER, ())})
+        self.admin_kubeconfig = self.cp.kubeconfig_for("admin")
+        self.pod_kubeconfig = self.cp.kubeconfig_for("dynamo")
+        self.kube = await Kube.from_kubeconfig(self.admin_kubeconfig, field_manager="testenv")
+        await self._install_crds()
+        await self._ensure_namespace(TEST_NAMESPACE)
+        await self._install_dynamo_rbac()
+        self.kwok = kwok_process(kubeconfig=self.cp.kubeconfig_for("kwok"), logs_dir=self.cp.logs_dir,
+                                 server_port=free_port())
+        await self.kwok.start()
+        for i, (node, cidr) in enumerate(NODES.items()):
+            with contextlib.suppress(Conflict):
+                await self.api.create(R.NODES, fake_node(node, pod_cidr=cidr, node_ip=f"10.213.0.{10 + i}"))
+        for node in NODES:
+            await wait_for(f"node {node} Ready (kwok)", lambda n=node: self._node_ready(n), timeout=60)
+        # The namespace controller's "default" service account gates pod creation (ServiceAccount admission).
+        await wait_for(f"serviceaccount {TEST_NAMESPACE}/default", lambda: self.api.get(
+            R.SERVICE_ACCOUNTS, "default", namespace=TEST_NAMESPACE), timeout=60)
+
+    async def _node_ready(self, name: str) -> bool:
+        node = await self.api.get(R.NODES, name)
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions") or [])
+
+    async def _install_crds(self) -> None:
+        crd_dir = pkg_resources.files("dynsnap.testenv") / "crds"
+        for entry in sorted(crd_dir.iterdir(), key=lambda e: e.name):
+            if entry.name.endswith(".yaml"):
+                await self.install_crd(yaml.safe_load(entry.read_text()))
+
+    async def install_crd(self, crd: Obj) -> None:
+        await self.api.apply(R.CRDS, crd, force=True)
+        name = crd["metadata"]["name"]
+
+        async def established() -> bool:
+            obj = await self.api.get(R.CRDS, name)
+            return any(c["type"] == "Established" and c["status"] == "True"
+                       for c in obj.get("status", {}).get("conditions") or [])
+        await wait_for(f"CRD {name} Established", established, timeout=30)
+
+    async def _ensure_namespace(self, name: str) -> None:
+        with contextlib.suppress(Conflict):
+            await self.api.create(R.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+    async def _install_dynamo_rbac(self) -> None:
+        """What Dynamo 1.6.1's frontend and workers ask of the API server (DESIGN.md 3.4), and no more."""
+        await self.api.apply(R.CLUSTER_ROLES, {"metadata": {"name": "testenv:dynamo-discovery"}, "rules": [
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["nvidia.com"], "resources": ["dynamoworkermetadatas"],
+             "verbs": ["get", "list", "watch", "create", "update", "patch"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+        ]})
+        await self.api.apply(R.CLUSTER_ROLE_BINDINGS, {
+            "metadata": {"name": "testenv:dynamo-discovery"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "testenv:dynamo-discovery"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": DYNAMO_USER}],
+        })
+
+    # -- pods that really run ------------------------------------------------------------------
+
+    async def wait_pod_ip(self, namespace: str, name: str, *, timeout: float = 60) -> Obj:
+        async def has_ip() -> Obj | None:
+            pod = await self.api.get(R.PODS, name, namespace=namespace)
+            return pod if pod.get("status", {}).get("podIP") else None
+        pod: Obj = await wait_for(f"pod {namespace}/{name} IP from kwok", has_ip, timeout=timeout)
+        return pod
+
+    async def run_pod(self, pod: Obj, *, extra_env: dict[str, str] | None = None) -> RunningPod:
+        """Create ``pod`` (bound to a fake node) and really run its first container in a sandbox."""
+        ns = pod["metadata"].setdefault("namespace", TEST_NAMESPACE)
+        pod["spec"].setdefault("nodeName", next(iter(NODES)))
+        created = await self.api.create(R.PODS, pod)
+        name = created["metadata"]["name"]
+        live = await self.wait_pod_ip(ns, name)
+        container = live["spec"]["containers"][0]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/root", "KUBECONFIG": str(self.pod_kubeconfig)}
+        env.update(resolve_env(live, container))
+        env.update(extra_env or {})
+        command = list(container.get("command", [])) + list(container.get("args", []))
+        sandbox = await PodSandbox.start(
+            net=self.net, name=name, namespace=ns, uid=live["metadata"]["uid"], pod_ip=live["status"]["podIP"],
+            command=command, env=env, workdir=self.workdir / "pods" / f"{ns}_{name}",
+        )
+        kubelet = StubKubelet(self.api, ns, name, live["status"]["podIP"])
+        kubelet.start()
+        running = RunningPod(name, ns, live["metadata"]["uid"], live["status"]["podIP"], live["spec"]["nodeName"],
+                             sandbox, kubelet)
+        self.pods[(ns, name)] = running
+        return running
+
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        running = self.pods.pop((namespace, name), None)
+        if running:
+            await running.stop()
+        with contextlib.suppress(NotFound):
+            await self.api.delete(R.PODS, name, namespace=namespace, grace_period_seconds=0)
+
+    async def wait_ready(self, namespace: str, name: str, *, ready: bool = True, timeout: float = 60) -> Obj:
+        async def check() -> Obj | None:
+            pod = await self.api.get(R.PODS, name, namespace=namespace)
+            conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
+            return pod if (conds.get("Ready") == "True") == ready else None
+        pod: Obj = await wait_for(f"pod {namespace}/{name} Ready={ready}", check, timeout=timeout)
+        return pod
+
+    async def stop(self) -> None:
+        for running in list(self.pods.values()):
+            with contextlib.suppress(Exception):
+                await running.stop()
+        self.pods.clear()
+        if self.kube is not None:
+            with contextlib.suppress(Exception):
+                await self.kube.close()
+            self.kube = None
+        if self.kwok is not None:
+            await self.kwok.stop()
+            self.kwok = None
+        if self.cp is not None:
+            await self.cp.stop()
+        with contextlib.suppress(Exception):
+            await self.net.down()
+
+    def failed_components(self) -> list[str]:
+        out = self.cp.failed_processes() if self.cp else []
+        if self.kwok and not self.kwok.alive():
+            out.append(f"kwok exited; log {self.kwok.log_path}:\n{self.kwok.tail()}")
+        return out

@@ -1,0 +1,189 @@
+"""Dynamo graphs on the local environment: DGDs for the frontend and mocker workers,
+deployed through the stub operator into pod sandboxes, and a client for the frontend
+that sends plain and pinned chat completions and reports which worker answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from dynsnap.k8s.client import Obj
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.testenv import stub_operator
+from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster, RunningPod, wait_for
+
+MODEL_NAME = "tiny"
+
+
+def dynamo_python() -> str:
+    py = os.environ.get("DYNSNAP_DYNAMO_PYTHON")
+    if not py or not os.access(py, os.X_OK):
+        raise FileNotFoundError("DYNSNAP_DYNAMO_PYTHON is not set or not executable; run `./run setup`")
+    return py
+
+
+def model_dir() -> str:
+    d = os.environ.get("DYNSNAP_MODEL_DIR")
+    if not d or not os.path.isdir(d):
+        raise FileNotFoundError("DYNSNAP_MODEL_DIR is not set or missing; run `./run setup`")
+    return d
+
+
+def frontend_component(*, router_mode: str = "round-robin") -> Obj:
+    return {"name": "Frontend", "componentType": "frontend", "replicas": 1,
+            "extraPodSpec": {"mainContainer": {"command": [dynamo_python(), "-m", "dynamo.frontend"],
+                                               "args": ["--http-port", str(P.DYNAMO_FRONTEND_PORT),
+                                                        "--router-mode", router_mode]}}}
+
+
+def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | None = None,
+                     entrypoint: list[str] | None = None, extra_pod_spec: Obj | None = None) -> Obj:
+    command = [*(entrypoint or []), dynamo_python(), "-m", "dynamo.mocker"]
+    args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--disaggregation-mode", mode,
+            "--speedup-ratio", "100"]
+    comp: Obj = {"name": name, "componentType": "worker", "replicas": replicas,
+                 "extraPodSpec": {**(extra_pod_spec or {}), "mainContainer": {"command": command, "args": args}}}
+    if sub:
+        comp["subComponentType"] = sub
+    return comp
+
+
+def dgd(name: str, components: list[Obj], *, namespace: str = TEST_NAMESPACE) -> Obj:
+    return {"apiVersion": f"{P.DYNAMO_GROUP}/{P.DGD_VERSION}", "kind": "DynamoGraphDeployment",
+            "metadata": {"name": name, "namespace": namespace}, "spec": {"components": components}}
+
+
+@dataclass
+class Graph:
+    """A deployed DGD: its object and the pods the harness runs for it."""
+
+    dgd: Obj
+    pods: dict[str, list[RunningPod]]  # component name -> pods
+
+    @property
+    def frontend(self) -> RunningPod:
+        return next(p for comp in self.dgd["spec"]["components"] if comp.get("componentType") == "frontend"
+                    for p in self.pods[comp["name"]])
+
+    def workers(self, component: str) -> list[RunningPod]:
+        return self.pods[component]
+
+
+async def deploy(cluster: LocalCluster, body: Obj, *, timeout: float = 120) -> Graph:
+    """Create the DGD, do what the operator would, run its pods, and wait until all are Ready."""
+    api = cluster.api
+    created = await api.create(R.DGDS, body)
+    pods: dict[str, list[RunningPod]] = {}
+    for comp in stub_operator.components(created):
+        await api.create(R.SERVICES, stub_operator.component_service(created, comp))
+        pods[comp["name"]] = []
+        for i, pod in enumerate(stub_operator.component_pods(created, comp)):
+            pod["spec"]["nodeName"] = list(cluster_nodes())[i % 2]
+            pods[comp["name"]].append(await cluster.run_pod(pod))
+    graph = Graph(created, pods)
+    await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=timeout)
+                           for comp_pods in pods.values() for p in comp_pods))
+    return graph
+
+
+def cluster_nodes() -> list[str]:
+    from dynsnap.testenv.cluster import NODES
+
+    return list(NODES)
+
+
+async def teardown(cluster: LocalCluster, graph: Graph) -> None:
+    for comp_pods in graph.pods.values():
+        for p in comp_pods:
+            await cluster.delete_pod(p.namespace, p.name)
+    with contextlib.suppress(Exception):
+        await cluster.api.delete(R.DGDS, graph.dgd["metadata"]["name"], namespace=graph.dgd["metadata"]["namespace"],
+                                 propagation="Foreground")
+
+
+async def dwm_of(cluster: LocalCluster, pod: RunningPod) -> Obj:
+    return await cluster.api.get(R.DWMS, pod.name, namespace=pod.namespace)
+
+
+@dataclass
+class ChatResult:
+    status: int
+    worker_id: int | None
+    prefill_worker_id: int | None
+    text: str
+    body: Any
+
+
+class FrontendClient:
+    """Chat completions through the Dynamo frontend at its pod IP."""
+
+    def __init__(self, frontend: RunningPod, *, timeout: float = 30.0) -> None:
+        self.base = f"http://{frontend.ip}:{P.DYNAMO_FRONTEND_PORT}"
+        self.http = httpx.AsyncClient(timeout=timeout)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def model_listed(self) -> bool:
+        r = await self.http.get(f"{self.base}/v1/models")
+        return r.status_code == 200 and any(m.get("id") == MODEL_NAME for m in r.json().get("data", []))
+
+    async def wait_model(self, *, timeout: float = 60) -> None:
+        await wait_for(f"model {MODEL_NAME} listed by the frontend", self.model_listed, timeout=timeout)
+
+    async def chat(self, prompt: str = "Hello!", *, worker_id: int | None = None, prefill_id: int | None = None,
+                   max_tokens: int = 8) -> ChatResult:
+        headers = {}
+        if worker_id is not None:
+            headers[P.HEADER_WORKER_INSTANCE_ID] = str(worker_id)  # decimal: hex is silently ignored
+        if prefill_id is not None:
+            headers[P.HEADER_PREFILL_INSTANCE_ID] = str(prefill_id)
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "stream": False, "nvext": {"extra_fields": ["worker_id"]}}
+        r = await self.http.post(f"{self.base}/v1/chat/completions", json=body, headers=headers)
+        data: Any = None
+        with contextlib.suppress(ValueError):
+            data = r.json()
+        wid, pid = worker_ids_from(data)
+        text = ""
+        with contextlib.suppress(Exception):
+            text = data["choices"][0]["message"]["content"]
+        return ChatResult(r.status_code, wid, pid, text, data)
+
+
+def worker_ids_from(data: Any) -> tuple[int | None, int | None]:
+    """(decode/aggregated worker id, prefill worker id) from a response's ``nvext.worker_id``."""
+    if not isinstance(data, dict):
+        return None, None
+    wid = (data.get("nvext") or {}).get("worker_id")
+    if isinstance(wid, dict):
+        decode = wid.get("decode_worker_id", wid.get("worker_id"))
+        prefill = wid.get("prefill_worker_id")
+        return (int(decode) if decode is not None else None, int(prefill) if prefill is not None else None)
+    if wid is not None:
+        return int(wid), None
+    return None, None
+
+
+async def instance_id(cluster: LocalCluster, pod: RunningPod) -> int:
+    """The worker's discovery instance id (decimal), as its DWM publishes it."""
+    dwm = await wait_for(f"DWM of {pod.name}", lambda: dwm_of(cluster, pod), timeout=60)
+    return instance_id_from_dwm(dwm)
+
+
+def instance_id_from_dwm(dwm: Obj) -> int:
+    """The instance id of the worker's ``generate`` endpoint in its DWM (Dynamo 1.6.1 layout:
+    ``spec.data.endpoints[<key>] = {"type": "Endpoint", "endpoint": "generate", "instance_id": N}``)."""
+    endpoints = (dwm.get("spec", {}).get("data") or {}).get("endpoints") or {}
+    found = {int(e["instance_id"]) for e in endpoints.values()
+             if isinstance(e, dict) and e.get("type") == "Endpoint" and e.get("endpoint") == "generate"}
+    if len(found) != 1:
+        raise ValueError(f"DWM {dwm['metadata']['name']}: expected one generate endpoint, found {sorted(found)}")
+    return found.pop()

@@ -1,0 +1,44 @@
+# shellcheck shell=bash
+# Idempotent setup of everything dynsnap's tests and demo run on. Sourced by
+# ./run; `setup_all` builds or finds each real part at its pinned version
+# (hack/versions.env) and exports its path as DYNSNAP_*.
+# Cold on a fresh 2-core machine: see docs/BENCHMARKS.md.
+
+ROOT="${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+# shellcheck source=versions.env
+source "$ROOT/hack/versions.env"
+export DYNSNAP_CACHE="${DYNSNAP_CACHE:-$HOME/.cache/dynsnap}"
+CACHE="$DYNSNAP_CACHE"
+GOPROXY_URL="${GOPROXY_URL:-https://proxy.golang.org}"
+mkdir -p "$CACHE/bin" "$CACHE/src"
+
+log() { echo "[setup] $*" >&2; }
+die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+
+source "$ROOT/hack/lib-go.sh"
+source "$ROOT/hack/lib-python.sh"
+[[ -f "$ROOT/hack/lib-criu.sh" ]] && source "$ROOT/hack/lib-criu.sh"
+[[ -f "$ROOT/hack/lib-dynamo.sh" ]] && source "$ROOT/hack/lib-dynamo.sh"
+[[ -f "$ROOT/hack/lib-cudahdr.sh" ]] && source "$ROOT/hack/lib-cudahdr.sh"
+
+export DYNSNAP_ETCD="$CACHE/bin/etcd-$ETCD_VERSION/etcd"
+export DYNSNAP_KUBE_APISERVER="$CACHE/bin/kube-$KUBE_VERSION/kube-apiserver"
+export DYNSNAP_KUBE_CONTROLLER_MANAGER="$CACHE/bin/kube-$KUBE_VERSION/kube-controller-manager"
+export DYNSNAP_KWOK="$CACHE/bin/kwok-$KWOK_VERSION/kwok"
+export DYNSNAP_KWOK_STAGES="$CACHE/bin/kwok-$KWOK_VERSION/stages"
+export DYNSNAP_NATIVE_BIN="$ROOT/native/build"
+
+setup_all() {
+  local t0=$SECONDS
+  command -v go >/dev/null || die "go is not installed (needed to build etcd, kube-apiserver, kwok)"
+  setup_python_venv
+  build_etcd
+  build_kwok
+  build_kube
+  if declare -F setup_criu >/dev/null; then setup_criu; fi
+  if declare -F setup_dynamo >/dev/null; then setup_dynamo; fi
+  if declare -F setup_cuda_headers >/dev/null; then setup_cuda_headers; fi
+  log "native: make -C native"
+  make -s -C "$ROOT/native" >&2 || die "native build failed"
+  log "setup done in $((SECONDS - t0)) s"
+}
