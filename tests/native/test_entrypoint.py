@@ -1,0 +1,638 @@
+"""dynsnap-entrypoint as PID 1 of a fresh pid + mount namespace, with small Python workers.
+
+Each sandbox is `unshare --pid --fork --mount-proc --mount -- dynsnap-entrypoint ... -- WORKER`
+(root needed), the way a container runtime would start it. The tests assert what a pod would
+see: exit codes, probe answers, the control file, the pids handed out, the log on stdout.
+Real CRIU 4.2.1 dumps and restores a worker tree here when it is built; the Dynamo-mocker
+version (pinned request through the frontend) is tests/integration/test_snapshot_in_place.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynsnap.models import protocol
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("DYNSNAP_NATIVE_BIN", ROOT / "native" / "build"))
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for unshare --pid and ns_last_pid")
+
+# One script, several workers (argv[1]); WORKER_CTL is a directory whose files set the status
+# its /health and /live answer, so a test can change what the worker reports.
+WORKER = textwrap.dedent(r'''
+    import ctypes, http.server, os, signal, sys, time
+
+    def log(msg):
+        print(f"worker[{os.getpid()}]: {msg}", flush=True)
+
+    mode = sys.argv[1]
+    log(f"started mode={mode} pid={os.getpid()} pgid={os.getpgid(0)} sid={os.getsid(0)} "
+        f"stdin={os.readlink('/proc/self/fd/0')}")
+    if mode == "crash":
+        sys.exit(int(sys.argv[2]))
+    if mode == "chatty":
+        while not os.path.exists(os.path.join(os.environ["WORKER_CTL"], "go")):
+            time.sleep(0.02)
+        for burst in range(20):
+            for i in range(20):
+                print(f"line {burst}-{i} " + "x" * 90)
+            sys.stdout.flush()
+            time.sleep(0.15)
+        log("chatty done")
+        sys.exit(0)
+    if mode == "iouring":
+        libc = ctypes.CDLL(None, use_errno=True)
+        params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+        fd = libc.syscall(425, 4, params)          # io_uring_setup: 425 on every arch
+        log(f"io_uring_setup fd={fd} errno={ctypes.get_errno()}")
+        sys.exit(0)
+
+    # mode == "serve": the worker's system server, plus a helper in the same process group;
+    # like Dynamo's runtime it tries io_uring first and keeps the ring when it gets one
+    libc = ctypes.CDLL(None, use_errno=True)
+    ring = libc.syscall(425, 4, ctypes.create_string_buffer(120))
+    log(f"io_uring_setup fd={ring} errno={ctypes.get_errno()}")
+    ctl = os.environ["WORKER_CTL"]
+    helper = os.fork()
+    if helper == 0:
+        def helper_term(sig, frm):
+            log("helper got SIGTERM")
+            os._exit(0)
+        signal.signal(signal.SIGTERM, helper_term)
+        log("helper running")
+        while True:
+            time.sleep(1)
+
+    def term(sig, frm):
+        log("got SIGTERM")
+        os.waitpid(helper, 0)
+        sys.exit(int(os.environ.get("WORKER_TERM_EXIT", "0")))
+    signal.signal(signal.SIGTERM, term)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            name = self.path.strip("/")
+            path = os.path.join(ctl, name)
+            code = int(open(path).read()) if os.path.exists(path) else 200
+            body = f'{{"worker":"{name}","code":{code},"pid":{os.getpid()}}}'.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, fmt, *args):
+            log("served " + fmt % args)
+
+    http.server.HTTPServer(("127.0.0.1", int(os.environ["DYN_SYSTEM_PORT"])), Handler).serve_forever()
+''')
+
+# Run through nsenter inside a sandbox: recreate a worker at a chosen pid the way CRIU restores
+# one in place (set the pid counter, fork, the forking parent exits so the new tree is
+# reparented to the namespace's init), with its output appended to the same log file.
+RESTORE = textwrap.dedent(r'''
+    import os, sys
+    pid, log_file, worker, ctl = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(pid - 1))
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        out = os.open(log_file, os.O_WRONLY | os.O_APPEND)
+        os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.execv(sys.executable, [sys.executable, worker, "serve"])
+    print(child, flush=True)
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def ns_pid(host_pid: int) -> int:
+    for line in Path(f"/proc/{host_pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    raise AssertionError(f"no NSpid for {host_pid}")
+
+
+class Sandbox:
+    """One entrypoint as PID 1 of its own pid and mount namespaces."""
+
+    def __init__(self, binary: Path, tmp: Path, worker_args: list[str], *, opts: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.control = tmp / "control"
+        self.worker_ctl = tmp / "worker-ctl"
+        self.worker_ctl.mkdir()
+        self.probe_port = free_port()
+        self.system_port = free_port()
+        self.script = tmp / "worker.py"
+        self.script.write_text(WORKER)
+        self.stdout = tmp / "stdout.txt"
+        self.stderr = tmp / "stderr.txt"
+        self.seq = 0
+        self.env = {**os.environ, "DYN_SYSTEM_PORT": str(self.system_port),
+                    "WORKER_CTL": str(self.worker_ctl), "PYTHONUNBUFFERED": "1", **(env or {})}
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", str(binary),
+                "--control-dir", str(self.control), "--probe-port", str(self.probe_port), *(opts or []),
+                "--", sys.executable, str(self.script), *worker_args]
+        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
+            # stdin a pipe, as from a container runtime: the worker must get /dev/null instead
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.PIPE,
+                                         env=self.env, start_new_session=True)
+        self.pid1 = wait_for(lambda: (children(self.proc.pid) or [0])[0], "the entrypoint to start")
+
+    # -- what a pod would see --
+    def out(self) -> str:
+        return self.stdout.read_text(errors="replace")
+
+    def err(self) -> str:
+        return self.stderr.read_text(errors="replace")
+
+    def get(self, path: str) -> tuple[int, str, dict[str, str]]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.probe_port, timeout=5)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read().decode(), {k.lower(): v for k, v in resp.getheaders()}
+        finally:
+            conn.close()
+
+    def status(self, path: str) -> int:
+        return self.get(path)[0]
+
+    def control_file(self) -> dict[str, Any]:
+        path = self.control / protocol.ENTRYPOINT_CONTROL_FILE
+        return wait_for(lambda: path.exists() and json.loads(path.read_text()), "the control file")
+
+    def wait_up(self) -> None:
+        wait_for(lambda: self._probe_ok(), "the worker to serve through the entrypoint")
+
+    def _probe_ok(self) -> bool:
+        try:
+            return self.status("/health") == 200
+        except OSError:
+            return False
+
+    # -- what the agent does --
+    def request(self, state: str) -> dict[str, Any]:
+        """Sets a state the way the agent does (temp file + rename) and waits for the ack."""
+        self.seq += 1
+        tmp = self.control / ".state-request.tmp"
+        tmp.write_text(f"{self.seq} {state}\n")
+        tmp.rename(self.control / protocol.ENTRYPOINT_REQUEST_FILE)
+        seq = self.seq
+        return wait_for(lambda: (c := self.control_file())["request_seq"] >= seq and c, f"ack of {state}")
+
+    def set_worker(self, endpoint: str, code: int) -> None:
+        (self.worker_ctl / endpoint).write_text(str(code))
+
+    def worker_host_pid(self) -> int:
+        w = self.control_file()["worker_pid"]
+        return wait_for(lambda: next((c for c in children(self.pid1) if ns_pid(c) == w), 0), "the worker")
+
+    def nsenter(self, *argv: str) -> str:
+        return subprocess.run(["nsenter", "-t", str(self.pid1), "-p", "-m", "--", *argv], check=True,
+                              capture_output=True, text=True, timeout=30, env=self.env).stdout
+
+    def wait(self, timeout: float = 15) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid1, signal.SIGKILL)  # PID 1 gone: the kernel kills the namespace
+            self.proc.wait(timeout=15)
+        if self.proc.stdin:
+            self.proc.stdin.close()
+
+
+@pytest.fixture(scope="session")
+def entrypoint_bin() -> Path:
+    # only this program: the other native/ targets need toolchains these tests do not
+    subprocess.run(["make", "-s", "-C", str(ROOT / "native"), f"BUILD={BUILD}", "entrypoint"], check=True)
+    return BUILD / "dynsnap-entrypoint"
+
+
+@pytest.fixture
+def sandbox(entrypoint_bin: Path, tmp_path: Path) -> Iterator[Callable[..., Sandbox]]:
+    made: list[Sandbox] = []
+
+    def make(worker_args: list[str], **kw: Any) -> Sandbox:
+        where = tmp_path / f"sandbox{len(made)}"
+        where.mkdir(exist_ok=True)
+        sb = Sandbox(entrypoint_bin, where, worker_args, **kw)
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.close()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    ([], {"DYN_SYSTEM_PORT": "9090"}, "no worker command given"),
+    (["--bogus", "--", "true"], {"DYN_SYSTEM_PORT": "9090"}, 'unknown option "--bogus"'),
+    (["--probe-port", "http", "--", "true"], {"DYN_SYSTEM_PORT": "9090"}, 'not a port number: "http"'),
+    (["--probe-port=70000", "true"], {"DYN_SYSTEM_PORT": "9090"}, 'not a port number: "70000"'),
+    (["--control-dir"], {"DYN_SYSTEM_PORT": "9090"}, "--control-dir needs a value"),
+    (["--control-dir", "relative", "true"], {"DYN_SYSTEM_PORT": "9090"}, "must be an absolute path"),
+    (["true"], {}, "set DYN_SYSTEM_PORT or --system-port"),
+    (["--probe-port", "9090", "true"], {"DYN_SYSTEM_PORT": "9090"}, "is the worker's system port"),
+])
+def test_bad_arguments_are_a_usage_error(entrypoint_bin: Path, args: list[str], env: dict[str, str],
+                                         message: str) -> None:
+    base = {k: v for k, v in os.environ.items() if k != "DYN_SYSTEM_PORT"}
+    r = subprocess.run([str(entrypoint_bin), *args], env={**base, **env}, capture_output=True, text=True,
+                       timeout=10)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "usage: dynsnap-entrypoint" in r.stderr
+
+
+def test_help(entrypoint_bin: Path) -> None:
+    r = subprocess.run([str(entrypoint_bin), "--help"], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0
+    assert "--no-seccomp" in r.stdout
+
+
+def test_binary_is_static(entrypoint_bin: Path) -> None:
+    r = subprocess.run(["file", "-L", str(entrypoint_bin)], capture_output=True, text=True, check=True)
+    assert "statically linked" in r.stdout
+
+
+def test_pid_range_is_reserved_before_anything_starts(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    ctl = sb.control_file()
+    assert ctl["pid"] == 1
+    assert ctl["pid_floor"] == protocol.PID_FLOOR
+    assert ctl["pid_reserved"] is True
+    assert ctl["worker_pid"] >= protocol.PID_FLOOR
+    assert ctl["worker_pid"] == ctl["worker_pgid"] == ctl["worker_sid"]
+    # the worker's own view, and its helper's, agree
+    pids = [int(p) for p in re.findall(r"started mode=serve pid=(\d+) pgid=\1 sid=\1", sb.out())]
+    assert pids == [ctl["worker_pid"]]
+    helper = wait_for(lambda: re.search(r"worker\[(\d+)\]: helper running", sb.out()), "the helper")
+    assert int(helper.group(1)) > ctl["worker_pid"]
+    # a process entering the namespace later lands above the floor too
+    later = int(sb.nsenter("sh", "-c", "echo $$").strip())
+    assert later >= protocol.PID_FLOOR
+
+
+def test_probes_mirror_the_worker_while_active_and_answer_for_it_otherwise(
+        sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    code, body, headers = sb.get("/health")
+    assert (code, json.loads(body)["worker"], headers["x-dynsnap-state"]) == (200, "health", "active")
+    assert sb.status("/live") == 200
+    sb.set_worker("health", 503)
+    assert sb.status("/health") == 503
+    sb.set_worker("live", 500)
+    code, body, _ = sb.get("/live")
+    assert (code, json.loads(body)["worker"]) == (500, "live")
+    sb.set_worker("live", 200)
+    sb.set_worker("health", 200)
+
+    for state in ("suspending", "suspended", "snapshotted", "restoring"):
+        assert sb.request(state)["state"] == state
+        code, body, headers = sb.get("/health")
+        assert code == 503, state
+        assert json.loads(body)["state"] == state
+        assert headers["x-dynsnap-state"] == state
+        assert sb.status("/live") == 200, state
+        # the worker is not asked while it is not active, even if it would say it is broken
+        sb.set_worker("live", 500)
+        assert sb.status("/live") == 200, state
+        sb.set_worker("live", 200)
+
+    assert sb.request("active")["state"] == "active"
+    assert sb.status("/health") == 200
+    assert sb.status("/nope") == 404
+    # the probe answers came from the worker only while active, and the worker logged them
+    wait_for(lambda: 'served "GET /health HTTP/1.0" 503' in sb.out(), "the worker's log on stdout")
+
+
+def test_probes_report_an_unreachable_worker_while_active(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"], opts=["--system-port", str(free_port())])  # nothing listens there
+    wait_for(lambda: "helper running" in sb.out(), "the worker")
+    code, body, _ = sb.get("/live")
+    assert code == 503
+    assert "connection refused" in body
+
+
+def test_worker_crash_exits_with_the_same_code(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["crash", "7"])
+    assert sb.wait() == 7
+    assert "started mode=crash" in sb.out()
+    assert sb.control_file()["worker_status"] == 7
+
+
+def test_missing_worker_command_exits_127(entrypoint_bin: Path, tmp_path: Path) -> None:
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", str(entrypoint_bin),
+                        "--control-dir", str(tmp_path / "c"), "--probe-port", str(free_port()), "--",
+                        "/no/such/worker"], env={**os.environ, "DYN_SYSTEM_PORT": str(free_port())},
+                       capture_output=True, text=True, timeout=20)
+    assert r.returncode == 127
+    assert 'cannot run "/no/such/worker": No such file or directory' in r.stderr
+
+
+@pytest.mark.parametrize("term_exit", [0, 3])
+def test_sigterm_reaches_the_worker_group_and_the_container_stops_with_its_status(
+        sandbox: Callable[..., Sandbox], term_exit: int) -> None:
+    sb = sandbox(["serve"], env={"WORKER_TERM_EXIT": str(term_exit)})
+    sb.wait_up()
+    wait_for(lambda: "helper running" in sb.out(), "the helper")
+    os.kill(sb.pid1, signal.SIGTERM)  # what kubelet does to the container's PID 1
+    assert sb.wait() == term_exit
+    out = sb.out()
+    assert "got SIGTERM" in out
+    assert "helper got SIGTERM" in out  # the whole process group, not just the leader
+    assert "stdin=/dev/null" in out
+    assert "passing signal 15 to the worker's process group" in sb.err()
+
+
+def test_worker_output_goes_to_a_log_file_and_to_stdout(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    log_file = Path(sb.control_file()["log_file"])
+    assert log_file == sb.control / protocol.ENTRYPOINT_LOG_FILE
+    wait_for(lambda: "helper running" in sb.out(), "the copy on stdout")
+    assert "helper running" in log_file.read_text()
+    assert sb.out() in log_file.read_text() or log_file.read_text() in sb.out()
+
+
+def test_worker_starts_with_no_blocked_or_ignored_signals(entrypoint_bin: Path, tmp_path: Path) -> None:
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", str(entrypoint_bin),
+                        "--control-dir", str(tmp_path / "c"), "--probe-port", str(free_port()),
+                        "--system-port", str(free_port()), "--",
+                        "/bin/sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"],
+                       capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0
+    assert re.search(r"^SigBlk:\s+0+$", r.stdout, re.M), r.stdout
+    assert re.search(r"^SigIgn:\s+0+$", r.stdout, re.M), r.stdout
+
+
+def test_log_file_is_emptied_past_its_cap_once_copied(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["chatty"], opts=["--log-max-bytes", "4096"])
+    sb.set_worker("go", 1)
+    assert sb.wait() == 0
+    out = sb.out()
+    assert "line 0-0 " in out
+    assert "chatty done" in out
+    # a line written between the last read and the truncation may be lost; nearly all arrive
+    assert len(re.findall(r"^line \d+-\d+ x+$", out, re.M)) >= 390
+    assert (sb.control / protocol.ENTRYPOINT_LOG_FILE).stat().st_size < 4096 + 3000
+
+
+def test_log_file_keeps_its_size_while_not_active(sandbox: Callable[..., Sandbox]) -> None:
+    # CRIU refuses to restore a descriptor whose file changed size since the dump
+    sb = sandbox(["chatty"], opts=["--log-max-bytes", "4096"])
+    sb.request("suspending")
+    sb.set_worker("go", 1)
+    wait_for(lambda: sb.control_file()["worker_alive"] is False, "the worker's exit", timeout=20)
+    log_text = (sb.control / protocol.ENTRYPOINT_LOG_FILE).read_text()
+    assert len(re.findall(r"^line \d+-\d+ x+$", log_text, re.M)) == 400
+    wait_for(lambda: "chatty done" in sb.out(), "the copy on stdout")
+
+
+def test_failed_pid_reservation_is_loud_and_recorded(entrypoint_bin: Path) -> None:
+    # as an unprivileged user in the namespace, ns_last_pid cannot be written
+    with tempfile.TemporaryDirectory(dir="/tmp") as where:
+        os.chmod(where, 0o777)
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--",
+                            "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                            str(entrypoint_bin), "--control-dir", f"{where}/c",
+                            "--probe-port", str(free_port()), "--system-port", str(free_port()),
+                            "--", "/bin/sh", "-c", "echo worker pid=$$"],
+                           capture_output=True, text=True, timeout=20)
+        ctl = json.loads((Path(where) / "c" / protocol.ENTRYPOINT_CONTROL_FILE).read_text())
+    assert r.returncode == 0
+    assert "WARNING: PID RESERVATION FAILED" in r.stderr
+    assert "Operation not permitted" in r.stderr
+    assert ctl["pid_reserved"] is False
+    assert ctl["worker_pid"] < protocol.PID_FLOOR
+    assert f"worker pid={ctl['worker_pid']}" in r.stdout
+    assert ctl["seccomp"] == "on"  # unprivileged: installed with no_new_privs
+
+
+@pytest.mark.parametrize(("opts", "expected"), [
+    ([], r"fd=-1 errno=38"),  # ENOSYS: what makes Dynamo's runtime fall back to epoll
+    (["--no-seccomp"], r"fd=\d+ errno=0"),
+])
+def test_io_uring_is_refused_with_enosys_unless_turned_off(sandbox: Callable[..., Sandbox], opts: list[str],
+                                                           expected: str) -> None:
+    sb = sandbox(["iouring"], opts=opts)
+    assert sb.wait() == 0
+    assert re.search(f"io_uring_setup {expected}\n", sb.out())
+    assert sb.control_file()["seccomp"] == ("off" if opts else "on")
+
+
+def test_worker_tree_exiting_while_snapshotted_keeps_the_container_up(
+        sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    sb.request("snapshotted")
+    os.killpg(worker, signal.SIGKILL)  # what the end of a CRIU dump does to the tree
+    ctl = wait_for(lambda: (c := sb.control_file())["worker_alive"] is False and c, "the worker's exit")
+    assert ctl["worker_status"] == 128 + signal.SIGKILL
+    time.sleep(0.5)
+    assert sb.running()
+    assert sb.status("/live") == 200
+    assert sb.status("/health") == 503
+    assert "staying up for the agent" in sb.err()
+    # the agent gives up (no restore): back to active with no worker means a fresh container
+    sb.request("active")
+    assert sb.wait() == protocol.ENTRYPOINT_EXIT_NO_WORKER
+
+
+def test_sigterm_with_no_worker_stops_cleanly(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    sb.request("suspending")
+    os.killpg(worker, signal.SIGKILL)
+    wait_for(lambda: sb.control_file()["worker_alive"] is False, "the worker's exit")
+    os.kill(sb.pid1, signal.SIGTERM)
+    assert sb.wait() == 0
+
+
+def test_worker_exiting_while_active_or_suspended_ends_the_container(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    sb.request("suspended")  # tier 1: the process lives on, so its death is a real crash
+    os.killpg(worker, signal.SIGKILL)
+    assert sb.wait() == 128 + signal.SIGKILL
+
+
+def test_a_tree_restored_in_place_is_adopted_and_reaped(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"], env={"WORKER_TERM_EXIT": "9"})
+    sb.wait_up()
+    before = sb.control_file()
+    worker = sb.worker_host_pid()
+    sb.request("suspending")
+    os.killpg(worker, signal.SIGKILL)
+    wait_for(lambda: sb.control_file()["worker_alive"] is False, "the worker's exit")
+    sb.request("snapshotted")
+    sb.request("restoring")
+    restorer = sb.tmp / "restore.py"
+    restorer.write_text(RESTORE)
+    pid = int(sb.nsenter(sys.executable, str(restorer), str(before["worker_pid"]), before["log_file"],
+                         str(sb.script), str(sb.worker_ctl)).strip())
+    assert pid == before["worker_pid"]  # recreated at its old pid, as CRIU does
+    wait_for(lambda: sb.out().count("helper running") == 2, "the restored worker's log on stdout")
+    ctl = sb.request("active")
+    assert (ctl["state"], ctl["worker_alive"], ctl["worker_pid"]) == ("active", True, pid)
+    sb.wait_up()
+    assert json.loads(sb.get("/health")[1])["pid"] == pid
+    # the restored leader is the entrypoint's child now: signals reach its group, and its exit
+    # status is reaped and becomes the container's
+    assert ns_pid(sb.worker_host_pid()) == pid
+    os.kill(sb.pid1, signal.SIGTERM)
+    assert sb.wait() == 9
+    assert sb.out().count("helper got SIGTERM") == 1
+    assert sb.out().count("started mode=serve") == 2  # before and after, both on stdout
+
+
+def test_a_request_left_by_a_previous_container_is_ignored(sandbox: Callable[..., Sandbox],
+                                                            tmp_path: Path) -> None:
+    # the control directory is an emptyDir: it outlives a container restart
+    control = tmp_path / "sandbox0" / "control"
+    control.mkdir(parents=True)
+    (control / protocol.ENTRYPOINT_REQUEST_FILE).write_text("7 snapshotted\n")
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    time.sleep(0.3)
+    ctl = sb.control_file()
+    assert (ctl["state"], ctl["request_seq"]) == ("active", 0)
+    assert sb.status("/health") == 200
+
+
+def test_bad_state_requests_are_refused_and_acknowledged(sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    ctl = sb.request("sleeping")
+    assert ctl["state"] == "active"
+    assert ctl["request_error"] == 'unknown state "sleeping"'
+    ctl = sb.request("suspending")
+    assert (ctl["state"], ctl["request_error"]) == ("suspending", None)
+    # a stale sequence number is ignored
+    (sb.control / protocol.ENTRYPOINT_REQUEST_FILE).write_text("1 active\n")
+    time.sleep(0.4)
+    assert sb.control_file()["state"] == "suspending"
+
+
+CRIU = Path(os.environ.get("DYNSNAP_CRIU", Path.home() / ".cache/dynsnap/criu-4.2.1/sbin/criu"))
+
+
+@pytest.mark.skipif(not CRIU.is_file(), reason=f"CRIU not built at {CRIU} (./run setup builds it)")
+def test_criu_dumps_the_worker_tree_and_restores_it_under_the_same_pid1(
+        sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"], env={"WORKER_TERM_EXIT": "9"})
+    sb.wait_up()
+    wait_for(lambda: "helper running" in sb.out(), "the helper")
+    before = sb.control_file()
+    images = sb.tmp / "images"
+    images.mkdir()
+
+    # the agent's order: out of service (acked) first, then the dump of the worker's subtree
+    sb.request("suspending")
+    dump = subprocess.run(["nsenter", "-t", str(sb.pid1), "-p", "-m", "--", str(CRIU), "dump",
+                           "-t", str(before["worker_pid"]), "-D", str(images), "-o", "dump.log", "-v4"],
+                          capture_output=True, text=True, timeout=120)
+    assert dump.returncode == 0, (images / "dump.log").read_text()[-3000:]
+    ctl = wait_for(lambda: (c := sb.control_file())["worker_alive"] is False and c, "the dumped tree to exit")
+    assert ctl["worker_status"] == 128 + signal.SIGKILL
+    sb.request("snapshotted")
+    time.sleep(0.3)
+    assert sb.running()
+    assert (sb.status("/live"), sb.status("/health")) == (200, 503)
+
+    sb.request("restoring")
+    restore = subprocess.run(["nsenter", "-t", str(sb.pid1), "-p", "-m", "--", str(CRIU), "restore",
+                              "--restore-detached", "-D", str(images), "-o", "restore.log", "-v4"],
+                             capture_output=True, text=True, timeout=120)
+    assert restore.returncode == 0, (images / "restore.log").read_text()[-3000:]
+    ctl = sb.request("active")
+    assert (ctl["state"], ctl["worker_alive"]) == ("active", True)
+    restored = sb.worker_host_pid()  # a child of PID 1 again, at its old pid
+    assert ns_pid(restored) == before["worker_pid"]
+    sb.wait_up()
+    assert json.loads(sb.get("/health")[1])["pid"] == before["worker_pid"]
+    # the restored process (not a new one) keeps logging to the same file, copied to stdout
+    assert sb.out().count("started mode=serve") == 1
+    wait_for(lambda: sb.out().count('served "GET /health HTTP/1.0" 200') >= 2, "logs after the restore")
+    # still io_uring-free after the restore (the filter is part of the dumped state)
+    assert not [fd for fd in Path(f"/proc/{restored}/fd").iterdir() if "io_uring" in os.readlink(fd)]
+    status = Path(f"/proc/{restored}/status").read_text()
+    assert re.search(r"^Seccomp:\s+2$", status, re.M)
+    os.kill(sb.pid1, signal.SIGTERM)
+    assert sb.wait() == 9
+    assert "helper got SIGTERM" in sb.out()
+
+
+@pytest.mark.skipif(not CRIU.is_file(), reason=f"CRIU not built at {CRIU} (./run setup builds it)")
+def test_without_the_filter_the_worker_keeps_an_io_uring_and_criu_cannot_dump_it(
+        sandbox: Callable[..., Sandbox]) -> None:
+    sb = sandbox(["serve"], opts=["--no-seccomp"])
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    assert [fd for fd in Path(f"/proc/{worker}/fd").iterdir() if "io_uring" in os.readlink(fd)]
+    images = sb.tmp / "images"
+    images.mkdir()
+    sb.request("suspending")
+    dump = subprocess.run(["nsenter", "-t", str(sb.pid1), "-p", "-m", "--", str(CRIU), "dump",
+                           "-t", str(sb.control_file()["worker_pid"]), "-D", str(images), "-o", "dump.log"],
+                          capture_output=True, text=True, timeout=120)
+    assert dump.returncode != 0
+    # a failed dump leaves the tree running; the agent puts it back in service
+    assert sb.request("active")["worker_alive"] is True
+    assert sb.status("/health") == 200
