@@ -16,9 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from dynsnap.testenv.demo import run_demo
+        from dynsnap.demo import run_demo
 
-        return run_demo()
+        rc: int = run_demo()
+        return rc
     return 2
 
 

@@ -17,6 +17,6 @@ setup_python_venv() {
     "$DYNSNAP_VENV/bin/pip" install -q -e "$ROOT[dev]" || die "pip install of dynsnap[dev] failed"
     touch "$DYNSNAP_VENV/.complete"
   fi
-  "$DYNSNAP_VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null \
+  "$DYNSNAP_VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
     || die "editable install of dynsnap from $ROOT failed"
 }

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
@@ -60,7 +61,7 @@ class Kube:
         query: Mapping[str, Any] | None = None,
         body: Any = None,
         content_type: str = "application/json",
-        timeout: float | tuple[float, float] | None = 30.0,
+        timeout: float | aiohttp.ClientTimeout = 30.0,
     ) -> Any:
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
         resp = await self._api.call_api(
@@ -97,7 +98,9 @@ class Kube:
 
     # -- verbs -------------------------------------------------------------------------------------
 
-    async def get(self, res: Resource, name: str, *, namespace: str | None = None, subresource: str | None = None) -> Obj:
+    async def get(
+        self, res: Resource, name: str, *, namespace: str | None = None, subresource: str | None = None
+    ) -> Obj:
         return await self.request("GET", res.path(namespace=namespace, name=name, subresource=subresource))
 
     async def list(
@@ -177,7 +180,8 @@ class Kube:
 
         An ``ERROR`` event carrying a 410 Status is raised as ``Gone``; the caller relists.
         ``send_initial_events`` asks for a streaming list: ADDED events for what exists, then a
-        BOOKMARK annotated ``k8s.io/initial-events-end``. The server ends the stream after ``timeout_seconds``; the client gives up if no byte
+        BOOKMARK annotated ``k8s.io/initial-events-end``. The server ends the stream after
+        ``timeout_seconds``; the client gives up if no byte
         arrives for that long plus a margin (a silent stream is a dead one).
         """
         query = {
@@ -191,7 +195,8 @@ class Kube:
             "timeoutSeconds": timeout_seconds,
         }
         path = res.path(namespace=namespace)
-        resp = await self._raw("GET", path, query=query, timeout=(10.0, timeout_seconds + 30.0))
+        resp = await self._raw("GET", path, query=query,
+                               timeout=aiohttp.ClientTimeout(connect=10.0, sock_read=timeout_seconds + 30.0))
         try:
             if not 200 <= resp.status <= 299:
                 raise error_for(resp.status, await resp.text(), method="WATCH", path=path)

@@ -143,7 +143,8 @@ class LocalCluster:
 
     async def _node_ready(self, name: str) -> bool:
         node = await self.api.get(R.NODES, name)
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions") or [])
+        conds = node.get("status", {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
     async def _install_crds(self) -> None:
         crd_dir = pkg_resources.files("dynsnap.testenv") / "crds"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import ssl
 import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 

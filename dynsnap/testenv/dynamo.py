@@ -43,13 +43,37 @@ def frontend_component(*, router_mode: str = "round-robin") -> Obj:
                                                         "--router-mode", router_mode]}}}
 
 
+def entrypoint_binary() -> str:
+    path = os.path.join(os.environ.get("DYNSNAP_NATIVE_BIN", "native/build"), "dynsnap-entrypoint")
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{path} is missing; run `./run setup` (it runs make -C native)")
+    return os.path.abspath(path)
+
+
+def entrypoint_probes(probe_port: int = P.ENTRYPOINT_PROBE_PORT) -> Obj:
+    """Container fields that point the worker's probes at dynsnap-entrypoint, as the example DGDs do."""
+    def probe(path: str, period: int, failures: int) -> Obj:
+        return {"httpGet": {"path": path, "port": "probe"}, "periodSeconds": period, "failureThreshold": failures,
+                "timeoutSeconds": 4}
+    return {"ports": [{"name": "probe", "containerPort": probe_port},
+                      {"name": "system", "containerPort": P.DYNAMO_SYSTEM_PORT}],
+            "startupProbe": probe("/live", 10, 60), "livenessProbe": probe("/live", 5, 1),
+            "readinessProbe": probe("/health", 10, 3)}
+
+
 def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | None = None,
-                     entrypoint: list[str] | None = None, extra_pod_spec: Obj | None = None) -> Obj:
-    command = [*(entrypoint or []), dynamo_python(), "-m", "dynamo.mocker"]
+                     control_dir: str | None = None, extra_pod_spec: Obj | None = None) -> Obj:
+    """Mocker workers; with ``control_dir`` each runs under dynsnap-entrypoint (probes on its port)."""
+    command = [dynamo_python(), "-m", "dynamo.mocker"]
+    main: Obj = {}
+    if control_dir is not None:
+        command = [entrypoint_binary(), "--control-dir", control_dir, "--", *command]
+        main = entrypoint_probes()
     args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--disaggregation-mode", mode,
             "--speedup-ratio", "100"]
     comp: Obj = {"name": name, "componentType": "worker", "replicas": replicas,
-                 "extraPodSpec": {**(extra_pod_spec or {}), "mainContainer": {"command": command, "args": args}}}
+                 "extraPodSpec": {**(extra_pod_spec or {}),
+                                  "mainContainer": {"command": command, "args": args, **main}}}
     if sub:
         comp["subComponentType"] = sub
     return comp

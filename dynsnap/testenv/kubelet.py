@@ -4,7 +4,8 @@ No kubelet can run here, so for each pod the harness really runs, this polls the
 container's readiness and liveness HTTP probes at the pod IP (as kubelet does, from the
 node's network) and writes the pod's ``ContainersReady`` and ``Ready`` conditions,
 ``Ready`` honouring ``spec.readinessGates`` exactly as kubelet computes it: Ready only
-when the containers are ready *and* every gate condition is True. Startup probes gate the other two. Liveness failures past
+when the containers are ready *and* every gate condition is True. Startup probes gate
+the other two, as in kubelet. Liveness failures past
 ``failureThreshold`` are counted into ``containerStatuses[].restartCount`` (kubelet would
 restart the container at that point; tests assert on the count, the process is left
 alone so the evidence survives).

@@ -47,7 +47,8 @@ class Supervised:
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        # A local file open is instant; the child inherits the descriptor, ours is closed below.
+        log = open(self.log_path, "ab")  # noqa: SIM115, ASYNC230
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
