@@ -216,6 +216,7 @@ class Sandbox:
     # -- what the agent does --
     def request(self, state: str) -> dict[str, Any]:
         """Sets a state the way the agent does (temp file + rename) and waits for the ack."""
+        self.control_file()  # the entrypoint creates the control dir at start: wait for it, as the agent does
         self.seq += 1
         tmp = self.control / ".state-request.tmp"
         tmp.write_text(f"{self.seq} {state}\n")
