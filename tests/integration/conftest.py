@@ -1,11 +1,15 @@
 """Session fixtures: one real local cluster (etcd, kube-apiserver, kube-controller-manager,
 kwok, sandbox network) for the whole integration session, torn down even when tests fail.
-Component logs are copied next to the pytest run when a test failed."""
+
+When a test failed, the logs of every component and every sandboxed pod are copied to
+``$DYNSNAP_KEEP_LOGS`` (default ``test-logs/``). After teardown the session fails if any
+network namespace, bridge or sandboxed process of the harness is left behind."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +26,25 @@ def _require_root() -> None:
         pytest.fail("the integration tests need root (network namespaces, cgroups, CRIU)")
 
 
+def _leaks(cluster: LocalCluster) -> list[str]:
+    out = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    prefix = cluster.net.netns_prefix
+    out += [f"network namespace {line.split()[0]}" for line in netns.splitlines() if line.startswith(prefix)]
+    link = subprocess.run(["ip", "link", "show", "dev", cluster.net.bridge], capture_output=True, check=False)
+    if link.returncode == 0:
+        out.append(f"bridge {cluster.net.bridge}")
+    workdir = str(cluster.workdir)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if workdir in cmdline and int(pid) != os.getpid():
+            out.append(f"process {pid}: {cmdline[:120]}")
+    return out
+
+
 @pytest.fixture(scope="session")
 async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[LocalCluster]:
     _require_root()
@@ -33,11 +56,17 @@ async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[LocalCluster]
     finally:
         broken = c.failed_components()
         await c.stop()
-        failed = request.session.testsfailed > 0 or broken
-        keep = Path(os.environ.get("DYNSNAP_KEEP_LOGS", "test-logs"))
-        if failed and (workdir / "cluster" / "logs").exists():
-            shutil.copytree(workdir / "cluster" / "logs", keep, dirs_exist_ok=True)
-            print(f"\ncomponent logs kept in {keep.resolve()}")
+        leaks = _leaks(c)
+        if request.session.testsfailed > 0 or broken or leaks:
+            keep = Path(os.environ.get("DYNSNAP_KEEP_LOGS", "test-logs"))
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in (workdir / "cluster").rglob("*.log"):
+                rel = log.relative_to(workdir / "cluster")
+                (keep / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(log, keep / rel)
+            print(f"\ncomponent and pod logs kept in {keep.resolve()}")
         shutil.rmtree(workdir, ignore_errors=True)
         if broken:
             pytest.fail("components died during the session:\n" + "\n".join(broken))
+        if leaks:
+            pytest.fail("the harness left things behind:\n" + "\n".join(leaks))

@@ -1,0 +1,93 @@
+"""Pure pieces of the harness: kubelet's Ready rule, env resolution, the stub operator's
+objects, REST paths, and reading worker ids from Dynamo's answers and DWMs."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.testenv import stub_operator
+from dynsnap.testenv.cluster import resolve_env
+from dynsnap.testenv.dynamo import instance_id_from_dwm, worker_ids_from
+from dynsnap.testenv.kubelet import compute_ready
+
+
+def _pod(conds: dict[str, str], gates: list[str]) -> dict[str, object]:
+    return {"spec": {"readinessGates": [{"conditionType": g} for g in gates]},
+            "status": {"conditions": [{"type": t, "status": s} for t, s in conds.items()]}}
+
+
+@pytest.mark.parametrize(("containers", "conds", "gates", "ready"), [
+    (True, {}, [], True),
+    (False, {}, [], False),
+    (True, {}, [P.CONDITION_SERVING], False),  # a gate nobody set counts as False
+    (True, {P.CONDITION_SERVING: "False"}, [P.CONDITION_SERVING], False),
+    (True, {P.CONDITION_SERVING: "True"}, [P.CONDITION_SERVING], True),
+    (False, {P.CONDITION_SERVING: "True"}, [P.CONDITION_SERVING], False),
+    (True, {P.CONDITION_SERVING: "True", "other": "False"}, [P.CONDITION_SERVING, "other"], False),
+])
+def test_ready_is_containers_ready_and_every_gate(containers: bool, conds: dict[str, str], gates: list[str],
+                                                  ready: bool) -> None:
+    assert compute_ready(_pod(conds, gates), containers) is ready
+
+
+def test_env_resolves_literals_and_downward_api() -> None:
+    pod = {"metadata": {"name": "w-0", "namespace": "ns", "uid": "u-1"}, "spec": {"nodeName": "node-a"},
+           "status": {"podIP": "10.213.1.5"}}
+    container = {"env": [{"name": "A", "value": "1"},
+                         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                         {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                         {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}
+    assert resolve_env(pod, container) == {"A": "1", "POD_NAME": "w-0", "POD_UID": "u-1", "IP": "10.213.1.5"}
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_env(pod, {"env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels"}}}]})
+
+
+def test_stub_operator_creates_discovery_service_and_labelled_owned_pods() -> None:
+    dgd = {"metadata": {"name": "g", "namespace": "ns", "uid": "dgd-uid"},
+           "spec": {"components": [{"name": "Dec", "componentType": "worker", "subComponentType": "decode",
+                                    "replicas": 2, "envs": [{"name": "X", "value": 3}],
+                                    "extraPodSpec": {"readinessGates": [{"conditionType": P.CONDITION_SERVING}],
+                                                     "mainContainer": {"command": ["run"]}}}]}}
+    comp = stub_operator.components(dgd)[0]
+    svc = stub_operator.component_service(dgd, comp)
+    assert svc["metadata"]["labels"][P.LABEL_DISCOVERY_BACKEND] == "kubernetes"
+    assert svc["metadata"]["labels"][P.LABEL_DISCOVERY_ENABLED] == "true"
+    pods = stub_operator.component_pods(dgd, comp)
+    assert [p["metadata"]["name"] for p in pods] == ["g-dec-0", "g-dec-1"]
+    for p in pods:
+        assert all(p["metadata"]["labels"][k] == v for k, v in svc["spec"]["selector"].items())
+        assert p["metadata"]["labels"][P.LABEL_SUB_COMPONENT_TYPE] == "decode"
+        assert p["metadata"]["ownerReferences"][0]["uid"] == "dgd-uid"
+        assert p["spec"]["readinessGates"] == [{"conditionType": P.CONDITION_SERVING}]
+        c = p["spec"]["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["DYN_DISCOVERY_BACKEND"]["value"] == "kubernetes" and env["X"]["value"] == "3"
+        assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+        assert c["livenessProbe"]["periodSeconds"] == 5 and c["livenessProbe"]["failureThreshold"] == 1
+
+
+def test_rest_paths() -> None:
+    assert R.PODS.path(namespace="ns", name="p", subresource="status") == "/api/v1/namespaces/ns/pods/p/status"
+    assert R.DWMS.path(namespace="ns") == "/apis/nvidia.com/v1alpha1/namespaces/ns/dynamoworkermetadatas"
+    assert R.NODES.path(name="n") == "/api/v1/nodes/n"
+    with pytest.raises(ValueError):
+        R.PODS.path(name="p")
+
+
+def test_worker_ids_from_answers() -> None:
+    assert worker_ids_from({"nvext": {"worker_id": {"prefill_worker_id": 1, "decode_worker_id": 2}}}) == (2, 1)
+    assert worker_ids_from({"nvext": {"worker_id": 7}}) == (7, None)
+    assert worker_ids_from({"error": "x"}) == (None, None)
+    assert worker_ids_from(None) == (None, None)
+
+
+def test_instance_id_is_the_generate_endpoint_of_the_dwm() -> None:
+    ep = {"type": "Endpoint", "endpoint": "generate", "instance_id": 42}
+    other = {"type": "Endpoint", "endpoint": "clear_kv_blocks", "instance_id": 42}
+    dwm = {"metadata": {"name": "w"}, "spec": {"data": {"endpoints": {"a": ep, "b": other},
+                                                         "event_channels": {"c": {"instance_id": 99}}}}}
+    assert instance_id_from_dwm(dwm) == 42
+    with pytest.raises(ValueError):
+        instance_id_from_dwm({"metadata": {"name": "w"}, "spec": {"data": {}}})
