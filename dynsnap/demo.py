@@ -56,7 +56,7 @@ async def _summary(cluster: LocalCluster, served: dict[str, list[str]]) -> str:
 
     def ready(p: dict[str, Any]) -> str:
         conds = {c["type"]: c["status"] for c in p.get("status", {}).get("conditions") or []}
-        return conds.get("Ready", "?")
+        return str(conds.get("Ready", "?"))
     out.append("Pods\n" + _table([[p["metadata"]["name"], p["metadata"]["uid"][:8], p["status"].get("podIP", ""),
                                    p["spec"].get("nodeName", ""), ready(p)] for p in pods],
                                  ["NAME", "UID", "IP", "NODE", "READY"]))
