@@ -310,8 +310,12 @@ static pid_t start_worker(struct ep *ep, int logfd)
 		return -1;
 	if (pid == 0) {
 		setsid();
-		/* An ignored signal stays ignored across exec: give the worker defaults. */
-		signal(SIGPIPE, SIG_DFL);
+		/* An ignored signal stays ignored across exec: give the worker defaults, also
+		 * for what our own parent left ignored (a shell's background job ignores
+		 * SIGINT and SIGQUIT; the worker must still stop on them). */
+		for (int s = 1; s < NSIG; s++)
+			if (s != SIGKILL && s != SIGSTOP)
+				signal(s, SIG_DFL);
 		sigemptyset(&all);
 		sigprocmask(SIG_SETMASK, &all, NULL);
 		/* stdio opened here, inside the container's mount namespace: CRIU cannot

@@ -409,12 +409,18 @@ def test_worker_output_goes_to_a_log_file_and_to_stdout(sandbox: Callable[..., S
     assert sb.out() in log_file.read_text() or log_file.read_text() in sb.out()
 
 
+def _ignore_int_quit() -> None:
+    # As a shell's background job starts: SIGINT and SIGQUIT ignored, inherited across exec.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
 def test_worker_starts_with_no_blocked_or_ignored_signals(entrypoint_bin: Path, tmp_path: Path) -> None:
     r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", str(entrypoint_bin),
                         "--control-dir", str(tmp_path / "c"), "--probe-port", str(free_port()),
                         "--system-port", str(free_port()), "--",
                         "/bin/sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"],
-                       capture_output=True, text=True, timeout=20)
+                       capture_output=True, text=True, timeout=20, preexec_fn=_ignore_int_quit)
     assert r.returncode == 0
     assert re.search(r"^SigBlk:\s+0+$", r.stdout, re.M), r.stdout
     assert re.search(r"^SigIgn:\s+0+$", r.stdout, re.M), r.stdout
