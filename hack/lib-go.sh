@@ -34,11 +34,10 @@ import (
 )
 GO
     go mod tidy >/dev/null
-    local ld="-s -w"
+    local ld="-s -w" minor
+    minor=$(cut -d. -f2 <<<"$KUBE_VERSION")  # v1.34.4 -> 34
     for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-      ld="$ld -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=${KUBE_VERSION#v1.}"
-      ld="${ld%.*}"  # gitMinor: "34.4" -> "34"
-      ld="$ld -X $p.gitTreeState=clean"
+      ld="$ld -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
     done
     CGO_ENABLED=0 go build -tags tools -trimpath -ldflags "$ld" -o "$out.tmp/" \
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager

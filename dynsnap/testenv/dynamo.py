@@ -17,7 +17,7 @@ from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv import stub_operator
-from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster, RunningPod, wait_for
 
 MODEL_NAME = "tiny"
 
@@ -109,18 +109,12 @@ async def deploy(cluster: LocalCluster, body: Obj, *, timeout: float = 120) -> G
         await api.create(R.SERVICES, stub_operator.component_service(created, comp))
         pods[comp["name"]] = []
         for i, pod in enumerate(stub_operator.component_pods(created, comp)):
-            pod["spec"]["nodeName"] = list(cluster_nodes())[i % 2]
+            pod["spec"]["nodeName"] = list(NODES)[i % len(NODES)]  # spread replicas over the fake nodes
             pods[comp["name"]].append(await cluster.run_pod(pod))
     graph = Graph(created, pods)
     await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=timeout)
                            for comp_pods in pods.values() for p in comp_pods))
     return graph
-
-
-def cluster_nodes() -> list[str]:
-    from dynsnap.testenv.cluster import NODES
-
-    return list(NODES)
 
 
 async def teardown(cluster: LocalCluster, graph: Graph) -> None:
