@@ -100,8 +100,8 @@ class Graph:
         return self.pods[component]
 
 
-async def deploy(cluster: LocalCluster, body: Obj, *, timeout: float = 120) -> Graph:
-    """Create the DGD, do what the operator would, run its pods, and wait until all are Ready."""
+async def deploy(cluster: LocalCluster, body: Obj, *, timeout: float = 120, wait: bool = True) -> Graph:
+    """Create the DGD, do what the operator would, run its pods, and (``wait``) wait until all are Ready."""
     api = cluster.api
     created = await api.create(R.DGDS, body)
     pods: dict[str, list[RunningPod]] = {}
@@ -112,6 +112,8 @@ async def deploy(cluster: LocalCluster, body: Obj, *, timeout: float = 120) -> G
             pod["spec"]["nodeName"] = list(NODES)[i % len(NODES)]  # spread replicas over the fake nodes
             pods[comp["name"]].append(await cluster.run_pod(pod))
     graph = Graph(created, pods)
+    if not wait:
+        return graph
     await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=timeout)
                            for comp_pods in pods.values() for p in comp_pods))
     return graph

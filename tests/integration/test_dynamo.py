@@ -1,17 +1,20 @@
 """Dynamo 1.6.1 for real on the local cluster: a frontend and mocker workers in pod
 sandboxes with Kubernetes discovery serve chat completions; each worker's DWM exists and
 is owned by its pod; a request pinned to a worker is answered by that worker; a
-disaggregated prefill+decode pair serves a request pinned with both headers."""
+disaggregated prefill+decode pair serves a request pinned with both headers; dynsnap's
+readiness gate takes a worker out of the EndpointSlice and out of Dynamo's routing, and
+back, with the same DWM."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
+from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import LocalCluster
+from dynsnap.testenv.cluster import LocalCluster, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -81,3 +84,70 @@ async def test_disaggregated_pair_serves_request_pinned_with_both_headers(cluste
     finally:
         await fe.close()
         await D.teardown(cluster, graph)
+
+
+async def _set_gate(cluster: LocalCluster, pod: D.RunningPod, value: str) -> None:
+    # What dynsnap does to take a worker out of serving: its own condition, SSA, no force.
+    await cluster.api.apply(R.PODS, {"metadata": {"name": pod.name, "namespace": pod.namespace},
+                                     "status": {"conditions": [{"type": P.CONDITION_SERVING, "status": value}]}},
+                            subresource="status", field_manager=P.FIELD_MANAGER)
+
+
+async def _slice_ready(cluster: LocalCluster, pod: D.RunningPod) -> bool | None:
+    slices = await cluster.api.list(R.ENDPOINT_SLICES, namespace=pod.namespace,
+                                    label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
+    for s in slices["items"]:
+        for ep in s.get("endpoints") or []:
+            if ep.get("targetRef", {}).get("uid") == pod.uid:
+                return bool(ep["conditions"].get("ready"))
+    return None
+
+
+async def test_readiness_gate_takes_a_worker_out_of_dynamo_routing_and_back(cluster: LocalCluster) -> None:
+    gated = {"readinessGates": [{"conditionType": P.CONDITION_SERVING}]}
+    graph = await D.deploy(cluster, D.dgd("gate", [D.frontend_component(),
+                                                   D.mocker_component("worker", replicas=2, extra_pod_spec=gated)]),
+                           wait=False)
+    a, b = graph.workers("worker")
+    fe = D.FrontendClient(graph.frontend)
+    try:
+        # A gate nobody has set counts as False: neither worker is Ready until dynsnap sets it.
+        for w in (a, b):
+            await cluster.wait_ready(w.namespace, w.name, ready=False, timeout=60)
+            await _set_gate(cluster, w, "True")
+        for w in (a, b):
+            await cluster.wait_ready(w.namespace, w.name, timeout=60)
+        await fe.wait_model()
+        id_a, id_b = await D.instance_id(cluster, a), await D.instance_id(cluster, b)
+        assert (await fe.chat("a", worker_id=id_a)).worker_id == id_a
+
+        await _set_gate(cluster, a, "False")
+        await cluster.wait_ready(a.namespace, a.name, ready=False, timeout=30)
+        await wait_for("a's endpoint not ready", lambda: _not(_slice_ready(cluster, a)), timeout=30)
+
+        # The frontend stops routing to it: a request pinned to it is refused, never served
+        # by another worker; unpinned traffic all goes to b.
+        async def a_refused() -> bool:
+            return (await fe.chat("a?", worker_id=id_a)).status != 200
+        await wait_for("frontend drops worker a", a_refused, timeout=30)
+        for _ in range(4):
+            res = await fe.chat("anyone")
+            assert res.status == 200 and res.worker_id == id_b
+
+        await _set_gate(cluster, a, "True")
+        await cluster.wait_ready(a.namespace, a.name, timeout=30)
+        await wait_for("a's endpoint ready", lambda: _slice_ready(cluster, a), timeout=30)
+
+        async def a_serves() -> bool:
+            res = await fe.chat("a again", worker_id=id_a)
+            return res.status == 200 and res.worker_id == id_a
+        await wait_for("frontend routes to worker a again", a_serves, timeout=30)
+        # Same DWM object throughout: no re-registration was needed.
+        assert D.instance_id_from_dwm(await cluster.api.get(R.DWMS, a.name, namespace=a.namespace)) == id_a
+    finally:
+        await fe.close()
+        await D.teardown(cluster, graph)
+
+
+async def _not(aw: Awaitable[bool | None]) -> bool:
+    return (await aw) is False
