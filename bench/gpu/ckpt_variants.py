@@ -13,6 +13,14 @@ through rounds of these variants, the order reversed every other round:
      restore, then unlock, each its own process
   e  raw_ckpt.py --init: c plus cuInit(0) in the helper (only when c ran
      without cuInit)
+  f  a with DYNSNAP_LIBNVML=/nonexistent: the free memory is read through a
+     CUDA primary context, as every dynsnap-cuda did before NVML (the fallback)
+
+With ``--refusal``, the worker is then saved once more and the free-memory
+check is tried on the real GPU before its resume: ``--need-bytes`` above the
+free memory must exit 3 and leave the process checkpointed, through NVML and
+through the fallback, and each refusing call's wall time is taken (a helper
+that only samples: cuInit, enumeration, the reading, exit).
 
 Each cycle records the driver calls' seconds, the helper's wall time, host
 memory (/proc/meminfo, the worker's RSS, page faults), the worker's CPU time,
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -105,18 +114,21 @@ class Runner:
     def __init__(self, b: Bench) -> None:
         self.b = b
 
-    def run(self, argv: list[str], label: str) -> dict:
+    def run(self, argv: list[str], label: str, env: dict[str, str] | None = None) -> dict:
         t0 = time.monotonic()
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, **env} if env else None)
         wall = time.monotonic() - t0
         js = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
         self.b.say(f"$ {label}  -> rc={p.returncode} {wall:.3f}s {p.stdout.strip()[:400]}")
         if p.stderr.strip():
             self.b.say(f"  stderr: {p.stderr.strip()[:1000]}")
-        return {"rc": p.returncode, "wall_s": wall, "json": js, "cmd": label}
+        return {"rc": p.returncode, "wall_s": wall, "json": js, "cmd": label, "stderr": p.stderr.strip(),
+                "stdout": p.stdout.strip()}
 
-    def cli(self, *args: str) -> dict:
-        return self.run([self.b.bin, *args], shlex.join(["dynsnap-cuda", *args]))
+    def cli(self, *args: str, env: dict[str, str] | None = None) -> dict:
+        pre = [f"{k}={v}" for k, v in (env or {}).items()]
+        return self.run([self.b.bin, *args], shlex.join([*pre, "dynsnap-cuda", *args]), env)
 
     def raw(self, *args: str) -> dict:
         return self.run([sys.executable, str(HERE / "raw_ckpt.py"), *args],
@@ -131,9 +143,14 @@ def ms_of(results: list[dict], op: str) -> float | None:
     return None
 
 
+NO_NVML = {"DYNSNAP_LIBNVML": "/nonexistent/libnvidia-ml.so.1"}
+
+
 def save_steps(r: Runner, v: str, pid: str) -> list[dict]:
     if v == "a":
         return [r.cli("--action", "save", "--pid", pid, "--json")]
+    if v == "f":
+        return [r.cli("--action", "save", "--pid", pid, "--json", env=NO_NVML)]
     if v == "b":
         return [r.cli("--action", "save", "--pid", pid, "--json", "--skip-mem")]
     if v == "c":
@@ -149,6 +166,8 @@ def save_steps(r: Runner, v: str, pid: str) -> list[dict]:
 def resume_steps(r: Runner, v: str, pid: str) -> list[dict]:
     if v == "a":
         return [r.cli("--action", "resume", "--pid", pid, "--json")]
+    if v == "f":
+        return [r.cli("--action", "resume", "--pid", pid, "--json", env=NO_NVML)]
     if v == "b":
         return [r.cli("--action", "resume", "--pid", pid, "--json", "--skip-mem")]
     if v == "c":
@@ -179,6 +198,8 @@ def cycle(b: Bench, r: Runner, p: subprocess.Popen, v: str, label: str) -> dict:
         "restore_s": rt / 1e3 if rt is not None else None,
         "lock_ms": ms_of(sv, "lock"), "unlock_ms": ms_of(rs, "unlock"),
         "save_wall_s": sum(x["wall_s"] for x in sv), "resume_wall_s": sum(x["wall_s"] for x in rs),
+        "mem_source": [j.get("mem_source") for x in sv + rs for j in x["json"]],
+        "bytes": [j.get("bytes") for x in sv + rs for j in x["json"]],
         "gpu_used_mib_saved": used,
         "t_save": [s0["t"], s1["t"]], "t_resume": [s1b["t"], s2["t"]],
         "memtotal_mib": [s0["mem"]["MemTotal_MiB"], s1["mem"]["MemTotal_MiB"], s2["mem"]["MemTotal_MiB"]],
@@ -197,8 +218,51 @@ def cycle(b: Bench, r: Runner, p: subprocess.Popen, v: str, label: str) -> dict:
           f"save wall {row['save_wall_s']:.2f} resume wall {row['resume_wall_s']:.2f} ok={ok} "
           f"MemTotal {row['memtotal_mib']} MemFree {row['memfree_mib']} RSS {row['worker_rss_mib']} "
           f"cpu {row['worker_cpu_s_save']}/{row['worker_cpu_s_resume']} "
-          f"pgfault {row['pgfault_save']}/{row['pgfault_resume']} gpu_saved {used}")
+          f"pgfault {row['pgfault_save']}/{row['pgfault_resume']} gpu_saved {used} "
+          f"mem_source {row['mem_source']} bytes {row['bytes']}")
     return row
+
+
+def free_mib(stderr: str) -> int | None:
+    m = re.search(r"has (\d+) MiB free", stderr)
+    return int(m.group(1)) if m else None
+
+
+def refusal(b: Bench, r: Runner, p: subprocess.Popen, reps: int) -> dict:
+    """The free-memory check on the real GPU, through NVML and through the fallback."""
+    pid = str(p.pid)
+    out: dict = {"save": r.cli("--action", "save", "--pid", pid, "--json")}
+    out["state_saved"] = r.cli("--get-state", "--pid", pid)
+    try:
+        out["nvidia_smi_free_used_total_mib"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free,memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        out["nvidia_smi_free_used_total_mib"] = repr(e)
+    huge = str(1 << 50)
+    for name, env in (("nvml", None), ("cuda", NO_NVML)):
+        calls = [r.cli("--action", "resume", "--pid", pid, "--need-bytes", huge, "--json", env=env)
+                 for _ in range(reps)]
+        out[name] = {"rc": [c["rc"] for c in calls], "wall_s": [round(c["wall_s"], 4) for c in calls],
+                     "mem_source": [c["json"][0].get("mem_source") if c["json"] else None for c in calls],
+                     "free_mib": [free_mib(c["stderr"]) for c in calls], "stderr": calls[0]["stderr"]}
+    # Tight: 256 MiB more than NVML reports free must refuse; the saved need alone must pass.
+    fr = out["nvml"]["free_mib"][0]
+    tight = {"rc": None, "stderr": "no NVML figure to go from", "json": []}
+    if fr is not None:
+        tight = r.cli("--action", "resume", "--pid", pid, "--need-bytes", str((fr + 256) << 20), "--json")
+    out["tight"] = {"rc": tight["rc"], "stderr": tight["stderr"], "json": tight["json"]}
+    out["state_after_refusals"] = r.cli("--get-state", "--pid", pid)
+    out["resume"] = r.cli("--action", "resume", "--pid", pid, "--json")
+    out["intact"] = b.check(p)
+    out["ok"] = (all(x == 3 for k in ("nvml", "cuda") for x in out[k]["rc"]) and tight["rc"] == 3
+                 and set(out["nvml"]["mem_source"]) == {"nvml"} and set(out["cuda"]["mem_source"]) == {"cuda"}
+                 and out["state_saved"]["stdout"] == out["state_after_refusals"]["stdout"] == "checkpointed"
+                 and out["resume"]["rc"] == 0 and out["intact"])
+    b.say(f"REFUSAL nvml free {out['nvml']['free_mib'][0]} MiB walls {out['nvml']['wall_s']}; "
+          f"cuda free {out['cuda']['free_mib'][0]} MiB walls {out['cuda']['wall_s']}; "
+          f"tight rc {tight['rc']}; smi free,used,total {out['nvidia_smi_free_used_total_mib']}; ok={out['ok']}")
+    return out
 
 
 def main() -> None:
@@ -213,6 +277,8 @@ def main() -> None:
                     help="start no cycle after this many seconds (beyond --min-rounds, none at all)")
     ap.add_argument("--cycle-s", type=float, default=25, help="time one cycle is assumed to take")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--refusal", type=int, default=0, metavar="REPS",
+                    help="then the free-memory refusal check, REPS refusing calls per source")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,6 +321,9 @@ def main() -> None:
                 if not row["ok_intact_new_work"]:
                     res["notes"].append(f"round {rnd} {v}: FAILED, stopping")
                     raise RuntimeError("cycle failed")
+        if a.refusal:
+            res["refusal"] = refusal(b, r, p, a.refusal)
+            dump()
     except Exception as e:  # keep what was measured
         res["error"] = repr(e)
         b.say(f"ERROR {e!r}")

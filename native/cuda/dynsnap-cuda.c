@@ -7,7 +7,9 @@
  * a GPU map for restore, a free-memory check before restore, and --json.
  *
  * libcuda.so.1 is loaded at run time (DYNSNAP_LIBCUDA overrides the path), so
- * this builds where no driver exists and its tests run against a stub.
+ * this builds where no driver exists and its tests run against a stub. GPU free
+ * memory is read through NVML (libnvidia-ml.so.1, DYNSNAP_LIBNVML), also
+ * loaded at run time, and through a CUDA primary context only where NVML fails.
  * See docs/NATIVE.md for usage, exit codes and the JSON format. */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -185,23 +187,148 @@ static int dev_index(const struct gpu_uuid *u)
 	return -1;
 }
 
-/* Free bytes on device idx, through a primary context held only for the
- * query (it is released before any restore so it takes nothing from it). */
-static int dev_free(int idx, size_t *free_b, size_t *total_b)
+/* ---- free GPU memory ---- */
+
+/* NVML's few types, declared here so that no nvml.h is needed (ABI of
+ * nvml.h: nvmlReturn_t is an int-sized enum with NVML_SUCCESS 0,
+ * nvmlDevice_t an opaque pointer, nvmlMemory_t the v1 struct). */
+typedef int nvmlReturn_t;
+#define NVML_SUCCESS 0
+typedef struct nvmlDevice_st *nvmlDevice_t;
+typedef struct {
+	unsigned long long total, free, used;
+} nvmlMemory_t;
+
+static struct {
+	nvmlReturn_t (*Init)(void);
+	nvmlReturn_t (*Shutdown)(void);
+	nvmlReturn_t (*GetHandleByUUID)(const char *uuid, nvmlDevice_t *dev);
+	nvmlReturn_t (*GetMemoryInfo)(nvmlDevice_t dev, nvmlMemory_t *mem);
+	int tried, ok;
+	nvmlDevice_t dev[MAX_DEVS];
+	signed char have[MAX_DEVS]; /* 0 not looked up, 1 handle, -1 NVML failed */
+} nvml;
+
+static void nvml_shutdown(void)
+{
+	if (nvml.ok)
+		nvml.Shutdown();
+	nvml.ok = 0;
+}
+
+/* Loads NVML and initialises it, once per process. Any failure leaves
+ * nvml.ok 0 and the readings go through CUDA; nothing is printed, since a
+ * successful CRIU-plugin call must stay silent. */
+static int nvml_load(void)
+{
+	const char *path = getenv("DYNSNAP_LIBNVML");
+	void *h;
+
+	if (nvml.tried)
+		return nvml.ok ? 0 : -1;
+	nvml.tried = 1;
+	if (!path || !*path)
+		path = "libnvidia-ml.so.1";
+	h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h)
+		return -1;
+	nvml.Init = sym(h, "nvmlInit_v2", NULL);
+	nvml.Shutdown = sym(h, "nvmlShutdown", NULL);
+	nvml.GetHandleByUUID = sym(h, "nvmlDeviceGetHandleByUUID", NULL);
+	nvml.GetMemoryInfo = sym(h, "nvmlDeviceGetMemoryInfo", NULL);
+	if (!nvml.Init || !nvml.Shutdown || !nvml.GetHandleByUUID || !nvml.GetMemoryInfo ||
+	    nvml.Init() != NVML_SUCCESS)
+		return -1;
+	nvml.ok = 1;
+	atexit(nvml_shutdown);
+	return 0;
+}
+
+/* Free bytes on device idx through NVML: no CUDA context, so it neither
+ * costs the context's creation nor touches the driver's state around a
+ * checkpoint (on the H200, 0.02 s a save against 0.36-0.43 s for the
+ * context, docs/BENCHMARKS.md). The device is found by the UUID CUDA gave
+ * it, so CUDA's index order and CUDA_VISIBLE_DEVICES hold; a UUID NVML
+ * does not know falls back. A device NVML failed on once stays on
+ * CUDA for the rest of the process, so that two readings of one device come
+ * from one source. */
+static int nvml_free(int idx, long long *free_b)
+{
+	nvmlMemory_t m;
+
+	if (nvml_load() || nvml.have[idx] < 0)
+		return -1;
+	if (!nvml.have[idx]) {
+		char u[64];
+
+		gpu_uuid_format(&dev_uuid[idx], u, sizeof(u));
+		nvml.have[idx] = nvml.GetHandleByUUID(u, &nvml.dev[idx]) == NVML_SUCCESS ? 1 : -1;
+		if (nvml.have[idx] < 0)
+			return -1;
+	}
+	if (nvml.GetMemoryInfo(nvml.dev[idx], &m) != NVML_SUCCESS ||
+	    m.free > (unsigned long long)LLONG_MAX) {
+		nvml.have[idx] = -1;
+		return -1;
+	}
+	*free_b = (long long)m.free;
+	return 0;
+}
+
+/* Free bytes on device idx through a primary context held only for the
+ * query (it is released before any restore so it takes nothing from it).
+ * The fallback where NVML is missing or fails: on the H200, the context cost
+ * 0.36-0.43 s per save and 0.17-0.21 s per resume (docs/BENCHMARKS.md).
+ * Its reading counts the context itself as used. */
+static int cuda_free(int idx, long long *free_b)
 {
 	CUdevice d;
 	CUcontext c;
+	size_t f, t;
 	int rc = -1;
 
 	if (!drv.PrimaryCtxRetain || !drv.MemGetInfo || !drv.CtxSetCurrent ||
 	    drv.DeviceGet(&d, idx) != CUDA_SUCCESS || drv.PrimaryCtxRetain(&c, d) != CUDA_SUCCESS)
 		return -1;
-	if (drv.CtxSetCurrent(c) == CUDA_SUCCESS && drv.MemGetInfo(free_b, total_b) == CUDA_SUCCESS)
+	if (drv.CtxSetCurrent(c) == CUDA_SUCCESS && drv.MemGetInfo(&f, &t) == CUDA_SUCCESS) {
+		*free_b = (long long)f;
 		rc = 0;
+	}
 	drv.CtxSetCurrent(NULL);
 	if (drv.PrimaryCtxRelease)
 		drv.PrimaryCtxRelease(d);
 	return rc;
+}
+
+enum mem_src { SRC_NONE, SRC_NVML, SRC_CUDA };
+static unsigned int mem_src_used; /* bit per enum mem_src behind this run's numbers */
+
+static void sample_free(long long *free_b, signed char *src)
+{
+	for (int d = 0; d < ndev; d++) {
+		src[d] = SRC_NONE;
+		free_b[d] = -1;
+		if (nvml_free(d, &free_b[d]) == 0)
+			src[d] = SRC_NVML;
+		else if (cuda_free(d, &free_b[d]) == 0)
+			src[d] = SRC_CUDA;
+		if (src[d] != SRC_NONE)
+			mem_src_used |= 1u << src[d];
+	}
+}
+
+static const char *mem_src_word(void)
+{
+	switch (mem_src_used) {
+	case 1u << SRC_NVML:
+		return "\"nvml\"";
+	case 1u << SRC_CUDA:
+		return "\"cuda\"";
+	case 1u << SRC_NVML | 1u << SRC_CUDA:
+		return "\"nvml+cuda\"";
+	default:
+		return "null";
+	}
 }
 
 /* ---- per-pid work ---- */
@@ -440,15 +567,6 @@ static void drop_records(void)
 	}
 }
 
-static void sample_free(long long *free_b)
-{
-	for (int d = 0; d < ndev; d++) {
-		size_t f, t;
-
-		free_b[d] = dev_free(d, &f, &t) == 0 ? (long long)f : -1;
-	}
-}
-
 /* ---- output ---- */
 
 static void print_json(const char *action)
@@ -472,7 +590,7 @@ static void print_json(const char *action)
 			printf("%lld", j->bytes);
 		else
 			printf("null");
-		printf(",\"error\":");
+		printf(",\"mem_source\":%s,\"error\":", mem_src_word());
 		if (j->err_op != OP_NONE)
 			printf("\"%s %s (%d)\"", op_name[j->err_op], errname(j->err), (int)j->err);
 		else if (j->skipped)
@@ -577,14 +695,15 @@ static void usage(FILE *f)
 		"                        (default: what the recorded checkpoint freed)\n"
 		"  --force               skip the free-memory check before restore\n"
 		"  --skip-mem            no GPU memory sampling at all (no bytes, no record,\n"
-		"                        no check): saves the helper's context creation\n"
+		"                        no check)\n"
 		"  --serial              one pid at a time (default: pids in parallel threads)\n"
 		"  --json                one JSON object per pid on stdout\n"
 		"  -h, --help            this help\n"
 		"\n"
 		"exit: 0 ok, 1 driver call failed, 2 bad arguments (nothing touched),\n"
 		"      3 not enough free GPU memory (nothing touched), 4 no usable libcuda\n"
-		"env:  DYNSNAP_LIBCUDA (driver library path), DYNSNAP_CUDA_STATE_DIR\n",
+		"env:  DYNSNAP_LIBCUDA (driver library path), DYNSNAP_LIBNVML (NVML library\n"
+		"      path, for free GPU memory), DYNSNAP_CUDA_STATE_DIR\n",
 		prog, prog, prog);
 }
 
@@ -747,6 +866,7 @@ int main(int argc, char **argv)
 
 	/* Everything that can refuse is checked before the first state change. */
 	long long free_before[MAX_DEVS], need[MAX_DEVS] = { 0 };
+	signed char src_before[MAX_DEVS];
 
 	if (map) {
 		if (enumerate_devices()) {
@@ -771,7 +891,7 @@ int main(int argc, char **argv)
 				need[d] = need_bytes;
 		}
 		if (have) {
-			sample_free(free_before);
+			sample_free(free_before, src_before);
 			for (int d = 0; d < ndev; d++) {
 				char u[64];
 
@@ -790,7 +910,7 @@ int main(int argc, char **argv)
 	}
 
 	int is_ckpt = first == OP_CHECKPOINT || second == OP_CHECKPOINT, rolled_back = 0;
-	int have_dev = is_ckpt && !skip_mem && enumerate_devices() == 0;
+	int have_dev = is_ckpt && !skip_mem && enumerate_devices() == 0, sampled = 0;
 
 	if (second == OP_CHECKPOINT) {
 		/* save: every lock before any checkpoint. A rank checkpointed
@@ -806,28 +926,40 @@ int main(int argc, char **argv)
 			run_phase(OP_UNLOCK, locked, 0);
 			rolled_back = 1;
 		} else {
-			if (have_dev)
-				sample_free(free_before);
+			if (have_dev) {
+				sample_free(free_before, src_before);
+				sampled = 1;
+			}
 			/* A failed checkpoint stops and leaves the locks: pids already
 			 * checkpointed can only be recovered by a restore the caller
 			 * drives. */
 			fails = run_phase(OP_CHECKPOINT, NULL, 1);
 		}
 	} else {
-		if (first == OP_CHECKPOINT && have_dev)
-			sample_free(free_before);
+		if (first == OP_CHECKPOINT && have_dev) {
+			sample_free(free_before, src_before);
+			sampled = 1;
+		}
 		fails = run_phase(first, NULL, 0);
 		if (!fails && second != OP_NONE)
 			fails = run_phase(second, NULL, 0);
 	}
 
-	if (is_ckpt && have_dev && !jobs[0].skipped) {
+	/* No reading after a save whose locks were rolled back: nothing was
+	 * read before it, and nothing was freed. */
+	if (sampled && !jobs[0].skipped) {
 		long long free_after[MAX_DEVS], freed[MAX_DEVS], total = 0;
+		signed char src_after[MAX_DEVS];
 		char group[64];
 
-		sample_free(free_after);
+		sample_free(free_after, src_after);
+		/* NVML and CUDA do not agree on free bytes (on the H200, inside
+		 * the helper's own context cuMemGetInfo said 523 MiB less than
+		 * NVML), so a difference is only taken between two readings of
+		 * one source. */
 		for (int d = 0; d < ndev; d++) {
-			freed[d] = free_before[d] >= 0 && free_after[d] >= 0 ?
+			freed[d] = free_before[d] >= 0 && free_after[d] >= 0 &&
+						   src_before[d] == src_after[d] ?
 					   free_after[d] - free_before[d] :
 					   0;
 			if (freed[d] > 0)

@@ -1,11 +1,13 @@
-"""Harness for dynsnap-cuda's tests: the built CLI, the stub libcuda, and a view of what the
+"""Harness for dynsnap-cuda's tests: the built CLI, the stub driver, and a view of what the
 stub recorded.
 
-The stub (stub_libcuda/stub_libcuda.c) stands in for the NVIDIA driver's checkpoint API; it is
-compiled once per session with gcc against the CUDA 13 headers the CLI is built with. Each test
-gets its own stub directory, so per-pid state, the call log, injected faults and the fake
-devices never leak between tests. Tests assert outcomes: exit codes, stdout/JSON, the per-pid
-state the stub ends in, and the recorded call log.
+The stub driver is two libraries: stub_libcuda/stub_libcuda.c stands in for libcuda (the
+checkpoint API, device enumeration, a primary context's cuMemGetInfo), stub_nvml/stub_nvml.c for
+NVML (free memory without a context). They share one state directory (stub_libcuda/stub_files.h):
+the same fake devices and free memory, control file and call log. Both are compiled once per
+session with gcc. Each test gets its own stub directory, so per-pid state, the call log,
+injected faults and the fake devices never leak between tests. Tests assert outcomes: exit
+codes, stdout/JSON, the per-pid state the stub ends in, and the recorded call log.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("DYNSNAP_NATIVE_BIN", ROOT / "native" / "build"))
 STUB_SRC = Path(__file__).resolve().parent / "stub_libcuda" / "stub_libcuda.c"
+NVML_SRC = Path(__file__).resolve().parent / "stub_nvml" / "stub_nvml.c"
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3
 STATE_WORDS = {RUNNING: "running", LOCKED: "locked", CHECKPOINTED: "checkpointed", FAILED: "failed"}
@@ -67,6 +70,13 @@ def build_stub(out: Path) -> Path:
     return lib
 
 
+def build_stub_nvml(out: Path) -> Path:
+    lib = out / "libnvidia-ml_stub.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
+                    f"-I{STUB_SRC.parent}", "-o", str(lib), str(NVML_SRC)], check=True)
+    return lib
+
+
 @dataclass
 class Call:
     fn: str
@@ -89,13 +99,14 @@ class Result:
 class Stub:
     """One test's stub driver: its state directory and the environment that points the CLI at it."""
 
-    def __init__(self, tmp: Path, cli: Path, lib: Path) -> None:
+    def __init__(self, tmp: Path, cli: Path, lib: Path, nvml: Path) -> None:
         self.dir = tmp / "stub"
         self.dir.mkdir()
         self.cli = cli
         self.records = tmp / "records"
+        # DYNSNAP_LIBNVML is always set, so a machine's real NVML is never picked up.
         self.env = {**os.environ, "DYNSNAP_STUB_DIR": str(self.dir), "DYNSNAP_LIBCUDA": str(lib),
-                    "DYNSNAP_CUDA_STATE_DIR": str(self.records)}
+                    "DYNSNAP_LIBNVML": str(nvml), "DYNSNAP_CUDA_STATE_DIR": str(self.records)}
 
     def run(self, *args: str, name: str = "dynsnap-cuda", timeout: float = 60) -> Result:
         p = subprocess.run([str(self.cli.parent / name), *args], env=self.env, capture_output=True,
@@ -128,12 +139,22 @@ class Stub:
     def free(self, index: int) -> int:
         return int((self.dir / "devices").read_text().splitlines()[index].split()[1])
 
+    def log(self) -> list[str]:
+        f = self.dir / "log"
+        return f.read_text().splitlines() if f.exists() else []
+
+    def fns(self) -> list[str]:
+        """Every logged call's function, in order: the checkpoint API, the primary-context
+        memory reading (cuDevicePrimaryCtxRetain/Release, cuMemGetInfo) and NVML's."""
+        return [line.split()[0] for line in self.log()]
+
     def calls(self) -> list[Call]:
         """Checkpoint-API calls in the order they returned."""
-        f = self.dir / "log"
         out = []
-        for line in f.read_text().splitlines() if f.exists() else []:
+        for line in self.log():
             fn, *kv = line.split()
+            if not fn.startswith("cuCheckpointProcess"):
+                continue
             d = dict(x.split("=", 1) for x in kv)
             pairs = None
             if "pairs" in d:
@@ -164,6 +185,11 @@ def stub_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_stub(tmp_path_factory.mktemp("stub-libcuda"))
 
 
+@pytest.fixture(scope="session")
+def stub_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_stub_nvml(tmp_path_factory.mktemp("stub-nvml"))
+
+
 @pytest.fixture
-def stub(tmp_path: Path, cuda_cli: Path, stub_lib: Path) -> Stub:
-    return Stub(tmp_path, cuda_cli, stub_lib)
+def stub(tmp_path: Path, cuda_cli: Path, stub_lib: Path, stub_nvml_lib: Path) -> Stub:
+    return Stub(tmp_path, cuda_cli, stub_lib, stub_nvml_lib)

@@ -70,6 +70,13 @@ M = [
         "\t\t\tif (!memcmp(out[i].new_uuid.b, out[n].new_uuid.b, GPU_UUID_LEN)) {",
         "\t\t\tif (0) {",
     ),
+    ("take NVML's total as the free bytes", C, "*free_b = (long long)m.free;", "*free_b = (long long)m.total;"),
+    (
+        "never fall back to the primary context",
+        C,
+        "\t\telse if (cuda_free(d, &free_b[d]) == 0)\n",
+        "\t\telse if (0 && cuda_free(d, &free_b[d]) == 0)\n",
+    ),
 ]
 
 

@@ -6,11 +6,15 @@
  * -unlock-> running; anything else is CUDA_ERROR_ILLEGAL_STATE), keeps that
  * state per pid in a file so separate invocations see it, records every call
  * in order, and fakes device enumeration and free memory. All of it lives in
- * $DYNSNAP_STUB_DIR:
+ * $DYNSNAP_STUB_DIR, shared with ../stub_nvml (stub_files.h reads it):
  *
  *   state     "pid state" lines (0 running, 1 locked, 2 checkpointed, 3 failed)
  *   log       one line per call, appended when the call returns:
  *               <function> pid=<pid> [timeout=<ms>] [pairs=<old>><new>;...] rc=<code>
+ *             for the checkpoint API, and for the calls that read free
+ *             memory (cuDevicePrimaryCtxRetain/Release, cuMemGetInfo, and
+ *             stub_nvml's nvml* calls):
+ *               <function> [dev=<index>] [uuid=<uuid>] rc=<code>
  *   devices   "<uuid hex> <free bytes> <total bytes>" per visible GPU
  *             (absent: one GPU, uuid 11..11, 80 GiB free of 80 GiB)
  *   control   directives, read on every call:
@@ -21,6 +25,8 @@
  *               nocuda <pid>                     pid holds no CUDA context
  *               mem <pid> <device> <bytes>       checkpoint frees, restore
  *                                                takes, that much on a device
+ *               nvmlskew <device> <bytes>        stub_nvml reports that much
+ *                                                less free than cuMemGetInfo
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -33,95 +39,11 @@
 #include <sys/file.h>
 #include <unistd.h>
 
-#define MAXP 1024
-#define MAXD 16
+#include "stub_files.h"
 
-struct devs {
-	unsigned char uuid[MAXD][16];
-	long long free_b[MAXD], total_b[MAXD];
-	int n;
-};
+#define MAXP 1024
 
 static __thread int cur_dev = -1;
-
-static const char *dir(void)
-{
-	const char *d = getenv("DYNSNAP_STUB_DIR");
-
-	return d ? d : "/tmp/dynsnap-stub";
-}
-
-static void path(char *buf, size_t len, const char *name)
-{
-	snprintf(buf, len, "%s/%s", dir(), name);
-}
-
-/* Serialises read-modify-write of the state files across threads and
- * processes. */
-static int lock_all(void)
-{
-	char p[4096];
-	int fd;
-
-	path(p, sizeof(p), "lock");
-	fd = open(p, O_CREAT | O_RDWR, 0644);
-	if (fd >= 0)
-		flock(fd, LOCK_EX);
-	return fd;
-}
-
-static void unlock_all(int fd)
-{
-	if (fd >= 0) {
-		flock(fd, LOCK_UN);
-		close(fd);
-	}
-}
-
-static void logline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void logline(const char *fmt, ...)
-{
-	char p[4096];
-	va_list ap;
-	FILE *f;
-
-	path(p, sizeof(p), "log");
-	f = fopen(p, "a");
-	if (!f)
-		return;
-	va_start(ap, fmt);
-	vfprintf(f, fmt, ap);
-	va_end(ap);
-	fputc('\n', f);
-	fclose(f);
-}
-
-/* Looks up a control directive for fn and pid; returns its value or -1. */
-static long long control(const char *kind, const char *fn, int pid)
-{
-	char p[4096], line[512];
-	long long val = -1;
-	FILE *f;
-
-	path(p, sizeof(p), "control");
-	f = fopen(p, "r");
-	if (!f)
-		return -1;
-	while (fgets(line, sizeof(line), f)) {
-		char k[32], name[128], who[32];
-		long long v;
-
-		if (sscanf(line, "%31s %127s %31s %lld", k, name, who, &v) != 4)
-			continue;
-		if (strcmp(k, kind) || strcmp(name, fn))
-			continue;
-		if (strcmp(who, "*") && atoi(who) != pid)
-			continue;
-		val = v;
-	}
-	fclose(f);
-	return val;
-}
 
 static int nocuda(int pid)
 {
@@ -215,56 +137,6 @@ static void write_state(int pid, int st)
 		fprintf(f, "%d %d\n", pids[i], sts[i]);
 	fclose(f);
 	rename(tmp, p);
-}
-
-static int hexv(int c)
-{
-	if (c >= '0' && c <= '9')
-		return c - '0';
-	if (c >= 'a' && c <= 'f')
-		return c - 'a' + 10;
-	if (c >= 'A' && c <= 'F')
-		return c - 'A' + 10;
-	return -1;
-}
-
-static void read_devs(struct devs *d)
-{
-	char p[4096], line[512];
-	FILE *f;
-
-	memset(d, 0, sizeof(*d));
-	path(p, sizeof(p), "devices");
-	f = fopen(p, "r");
-	if (!f) {
-		memset(d->uuid[0], 0x11, 16);
-		d->free_b[0] = d->total_b[0] = 80LL << 30;
-		d->n = 1;
-		return;
-	}
-	while (d->n < MAXD && fgets(line, sizeof(line), f)) {
-		char u[128];
-		long long fr, tot;
-		int k = 0;
-
-		if (sscanf(line, "%127s %lld %lld", u, &fr, &tot) != 3)
-			continue;
-		for (char *c = u; *c && k < 32; c++) {
-			int v = hexv((unsigned char)*c);
-
-			if (v < 0)
-				continue;
-			if (k % 2 == 0)
-				d->uuid[d->n][k / 2] = (unsigned char)(v << 4);
-			else
-				d->uuid[d->n][k / 2] |= (unsigned char)v;
-			k++;
-		}
-		d->free_b[d->n] = fr;
-		d->total_b[d->n] = tot;
-		d->n++;
-	}
-	fclose(f);
 }
 
 static void write_devs(const struct devs *d)
@@ -494,13 +366,18 @@ CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
 {
-	*ctx = (CUcontext)(uintptr_t)(dev + 1);
-	return CUDA_SUCCESS;
+	long long code = control("fail", "cuDevicePrimaryCtxRetain", dev);
+	CUresult rc = code >= 0 ? (CUresult)code : CUDA_SUCCESS;
+
+	if (rc == CUDA_SUCCESS)
+		*ctx = (CUcontext)(uintptr_t)(dev + 1);
+	logline("cuDevicePrimaryCtxRetain dev=%d rc=%d", dev, (int)rc);
+	return rc;
 }
 
 CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 {
-	(void)dev;
+	logline("cuDevicePrimaryCtxRelease dev=%d rc=0", dev);
 	return CUDA_SUCCESS;
 }
 
@@ -514,18 +391,22 @@ CUresult cuMemGetInfo(size_t *free_b, size_t *total_b)
 {
 	struct devs d;
 	long long code = control("fail", "cuMemGetInfo", 0);
+	CUresult rc = CUDA_SUCCESS;
 	int fd;
 
-	if (code >= 0)
-		return (CUresult)code;
 	fd = lock_all();
 	read_devs(&d);
 	unlock_all(fd);
-	if (cur_dev < 0 || cur_dev >= d.n)
-		return CUDA_ERROR_INVALID_CONTEXT;
-	*free_b = (size_t)d.free_b[cur_dev];
-	*total_b = (size_t)d.total_b[cur_dev];
-	return CUDA_SUCCESS;
+	if (code >= 0) {
+		rc = (CUresult)code;
+	} else if (cur_dev < 0 || cur_dev >= d.n) {
+		rc = CUDA_ERROR_INVALID_CONTEXT;
+	} else {
+		*free_b = (size_t)d.free_b[cur_dev];
+		*total_b = (size_t)d.total_b[cur_dev];
+	}
+	logline("cuMemGetInfo dev=%d rc=%d", cur_dev, (int)rc);
+	return rc;
 }
 
 CUresult cuGetErrorName(CUresult error, const char **str)
