@@ -569,6 +569,10 @@ static void drop_records(void)
 
 /* ---- output ---- */
 
+/* Set when the whole action was refused before any state change (free memory):
+ * every pid's JSON record then says ok:false with this reason. */
+static char refusal[256];
+
 static void print_json(const char *action)
 {
 	for (int i = 0; i < njobs; i++) {
@@ -577,7 +581,7 @@ static void print_json(const char *action)
 
 		printf("{\"pid\":%d,\"action\":\"%s\",\"ok\":%s,\"state_before\":\"%s\","
 		       "\"state_after\":\"%s\",\"ms\":{",
-		       j->pid, action, j->err_op == OP_NONE && !j->skipped ? "true" : "false",
+		       j->pid, action, j->err_op == OP_NONE && !j->skipped && !refusal[0] ? "true" : "false",
 		       state_word(j->state_before), state_word(j->state_after));
 		for (int o = 0; o < 4; o++) {
 			if (j->ms[o] < 0)
@@ -595,6 +599,8 @@ static void print_json(const char *action)
 			printf("\"%s %s (%d)\"", op_name[j->err_op], errname(j->err), (int)j->err);
 		else if (j->skipped)
 			printf("\"skipped after an earlier failure\"");
+		else if (refusal[0])
+			printf("\"%s\"", refusal);
 		else
 			printf("null");
 		printf("}\n");
@@ -898,6 +904,9 @@ int main(int argc, char **argv)
 				if (need[d] <= 0 || free_before[d] < 0 || free_before[d] >= need[d])
 					continue;
 				gpu_uuid_format(&dev_uuid[d], u, sizeof(u));
+				snprintf(refusal, sizeof(refusal),
+					 "refused: GPU %d (%s) has %lld MiB free, the process needs %lld MiB", d, u,
+					 free_before[d] >> 20, need[d] >> 20);
 				diag("refusing %s: GPU %d (%s) has %lld MiB free, the process needs %lld MiB (--force to override)",
 				     action, d, u, free_before[d] >> 20, need[d] >> 20);
 				for (int i = 0; i < njobs; i++)

@@ -65,7 +65,10 @@ def test_refusal_uses_nvmls_free_bytes(stub: Stub) -> None:
     r = stub.run("--action", "restore", "--pid", "21", "--need-bytes", str(8 * GIB), "--json")
     assert r.rc == 3
     assert "has 7168 MiB free" in r.err and "needs 8192 MiB" in r.err
-    assert r.json()[0]["mem_source"] == "nvml"
+    rec = r.json()[0]
+    assert rec["mem_source"] == "nvml"
+    # A refusal is never reported as success in the machine-readable result either.
+    assert rec["ok"] is False and "7168 MiB free" in rec["error"] and rec["state_after"] == "checkpointed"
     assert stub.calls() == [] and stub.state(21) == CHECKPOINTED
     assert not [f for f in stub.fns() if f in CONTEXT]
     r = stub.run("--action", "restore", "--pid", "21", "--need-bytes", str(6 * GIB))
