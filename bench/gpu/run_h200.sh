@@ -4,18 +4,6 @@
 # (results.json, bench.log). Usage: bench/gpu/run_h200.sh [sections] [sizes] [reps]
 set -uo pipefail
 OUT="${OUT:-/tmp/dynsnap-bench}"
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-if [[ ! -f /usr/local/cuda/include/cuda.h && -z "${DYNSNAP_CUDA_INCLUDE:-}" ]]; then
-  h=$(find / -xdev -path '*include/cuda.h' 2>/dev/null | head -1)
-  export DYNSNAP_CUDA_INCLUDE="${h%/cuda.h}"
-fi
-make -C native >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
-if ! ldconfig -p | grep -q 'libcuda.so.1 '; then
-  DYNSNAP_LIBCUDA=$(find / -xdev -name libcuda.so.1 2>/dev/null | head -1); export DYNSNAP_LIBCUDA
-fi
-export DYNSNAP_CUDA_STATE_DIR=/tmp/dynsnap-cuda-records
-nvidia-smi -L; uname -r
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 python3 bench/gpu/ckpt_bench.py --bin native/build/dynsnap-cuda --out "$OUT" \
   --sections "${1:-smoke,sizes,maps,overlap,pair10,busy}" --sizes "${2:-1,4,16,64}" --reps "${3:-1}"
