@@ -24,6 +24,10 @@ from dynsnap.models import resources as R
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster, RunningPod
 from dynsnap.testenv.criu import criu_dump, criu_restore
+from dynsnap.testenv.netns import SandboxNetwork
+
+DEMO_BRIDGE = "dsndemo0"
+DEMO_CIDR = "10.214.0.0/16"
 
 
 class Timeline:
@@ -84,7 +88,8 @@ async def _pinned(fe: D.FrontendClient, tl: Timeline, pod: RunningPod, wid: int,
 
 async def _run(workdir: Path) -> int:
     tl = Timeline()
-    cluster = LocalCluster(workdir / "cluster")
+    # Its own bridge and /16, so a demo can run beside a test session's cluster (dsnbr0, 10.213/16).
+    cluster = LocalCluster(workdir / "cluster", net=SandboxNetwork(bridge=DEMO_BRIDGE, cidr=DEMO_CIDR))
     tl.step("starting etcd, kube-apiserver, kube-controller-manager, kwok, sandbox network")
     await cluster.start()
     served: dict[str, list[str]] = {}
@@ -107,6 +112,9 @@ async def _run(workdir: Path) -> int:
             tl.check(res.status == 200 and bool(res.text), f"chat completion served: {res.text!r}")
             workers = graph.workers("worker") + graph.workers("sleeper")
             ids = {p.name: await D.instance_id(cluster, p) for p in workers}
+            for p in workers:
+                await fe.wait_routable(ids[p.name])
+            tl.step("the frontend has discovered both workers (EndpointSlice + DWM)")
             for p in workers:
                 await _pinned(fe, tl, p, ids[p.name], served, "before")
 
@@ -137,6 +145,8 @@ async def _run(workdir: Path) -> int:
                      and after_pod["status"]["podIP"] == before_pod["status"]["podIP"], "same pod UID and IP")
             tl.check(after_dwm["metadata"]["uid"] == before_dwm["metadata"]["uid"]
                      and D.instance_id_from_dwm(after_dwm) == ids[sleeper.name], "same DWM UID and instance id")
+            await fe.wait_routable(ids[sleeper.name])
+            tl.step("the frontend routes to it again: same EndpointSlice entry and DWM, no re-registration")
             await _pinned(fe, tl, sleeper, ids[sleeper.name], served, "after wake")
             tl.check(sleeper.kubelet.restarts == 0, "no liveness restart while it slept")
             print("\n" + await _summary(cluster, served) + "\n", flush=True)

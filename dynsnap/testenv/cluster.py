@@ -32,8 +32,8 @@ from dynsnap.testenv.sandbox import PodSandbox, SandboxNetwork
 
 log = logging.getLogger(__name__)
 
-# Fake nodes and their pod CIDRs, inside the sandbox network's /16.
-NODES = {"node-a": "10.213.1.0/24", "node-b": "10.213.2.0/24"}
+# Fake nodes; each gets a /24 of the sandbox network as its podCIDR (kwok assigns pod IPs from it).
+NODES = ("node-a", "node-b")
 TEST_NAMESPACE = "dynamo"
 DYNAMO_USER = "dynamo-pod"  # the identity Dynamo's frontend and workers use (pods' service account stand-in)
 
@@ -52,6 +52,15 @@ async def wait_for(what: str, check: Any, *, timeout: float, interval: float = 0
         await asyncio.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_exc})"
                                                                                if last_exc else ""))
+
+
+def node_addresses(net: SandboxNetwork) -> list[tuple[str, str, str]]:
+    """(node, podCIDR, node IP) for each fake node: the network's /24s after the gateway's one;
+    node IPs sit in the gateway's /24 (no process listens there: kubelets are fake)."""
+    subnets = net.network.subnets(new_prefix=24)
+    gateway_net = next(subnets)
+    hosts = list(gateway_net.hosts())
+    return [(node, str(next(subnets)), str(hosts[9 + i])) for i, node in enumerate(NODES)]
 
 
 def resolve_env(pod: Obj, container: Obj) -> dict[str, str]:
@@ -132,9 +141,9 @@ class LocalCluster:
         self.kwok = kwok_process(kubeconfig=self.cp.kubeconfig_for("kwok"), logs_dir=self.cp.logs_dir,
                                  server_port=free_port())
         await self.kwok.start()
-        for i, (node, cidr) in enumerate(NODES.items()):
+        for node, cidr, node_ip in node_addresses(self.net):
             with contextlib.suppress(Conflict):
-                await self.api.create(R.NODES, fake_node(node, pod_cidr=cidr, node_ip=f"10.213.0.{10 + i}"))
+                await self.api.create(R.NODES, fake_node(node, pod_cidr=cidr, node_ip=node_ip))
         for node in NODES:
             await wait_for(f"node {node} Ready (kwok)", lambda n=node: self._node_ready(n), timeout=60)
         # The namespace controller's "default" service account gates pod creation (ServiceAccount admission).
@@ -193,7 +202,7 @@ class LocalCluster:
     async def run_pod(self, pod: Obj, *, extra_env: dict[str, str] | None = None) -> RunningPod:
         """Create ``pod`` (bound to a fake node) and really run its first container in a sandbox."""
         ns = pod["metadata"].setdefault("namespace", TEST_NAMESPACE)
-        pod["spec"].setdefault("nodeName", next(iter(NODES)))
+        pod["spec"].setdefault("nodeName", NODES[0])
         created = await self.api.create(R.PODS, pod)
         name = created["metadata"]["name"]
         live = await self.wait_pod_ip(ns, name)

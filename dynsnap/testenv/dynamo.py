@@ -109,7 +109,7 @@ async def deploy(cluster: LocalCluster, body: Obj, *, timeout: float = 120, wait
         await api.create(R.SERVICES, stub_operator.component_service(created, comp))
         pods[comp["name"]] = []
         for i, pod in enumerate(stub_operator.component_pods(created, comp)):
-            pod["spec"]["nodeName"] = list(NODES)[i % len(NODES)]  # spread replicas over the fake nodes
+            pod["spec"]["nodeName"] = NODES[i % len(NODES)]  # spread replicas over the fake nodes
             pods[comp["name"]].append(await cluster.run_pod(pod))
     graph = Graph(created, pods)
     if not wait:
@@ -157,6 +157,15 @@ class FrontendClient:
 
     async def wait_model(self, *, timeout: float = 60) -> None:
         await wait_for(f"model {MODEL_NAME} listed by the frontend", self.model_listed, timeout=timeout)
+
+    async def wait_routable(self, worker_id: int, *, prefill_id: int | None = None, timeout: float = 60) -> None:
+        """Wait until the frontend routes a request pinned to ``worker_id`` to it. Discovery is
+        eventually consistent: the model can be listed (through one worker) before the frontend
+        has seen another worker's endpoint and DWM."""
+        async def routed() -> bool:
+            res = await self.chat("are you there?", worker_id=worker_id, prefill_id=prefill_id, max_tokens=1)
+            return res.status == 200 and res.worker_id == worker_id
+        await wait_for(f"frontend routing to worker {worker_id}", routed, timeout=timeout)
 
     async def chat(self, prompt: str = "Hello!", *, worker_id: int | None = None, prefill_id: int | None = None,
                    max_tokens: int = 8) -> ChatResult:

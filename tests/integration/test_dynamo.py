@@ -55,6 +55,8 @@ async def test_pinned_request_is_answered_by_that_worker(cluster: LocalCluster, 
         ids = [await D.instance_id(cluster, w) for w in agg.workers("worker")]
         assert len(set(ids)) == 2
         for wid in ids:
+            await fe.wait_routable(wid)
+        for wid in ids:
             for _ in range(3):
                 res = await fe.chat("Who answers?", worker_id=wid)
                 assert res.status == 200, res.body
@@ -77,6 +79,7 @@ async def test_disaggregated_pair_serves_request_pinned_with_both_headers(cluste
         await fe.wait_model()
         prefill_id = await D.instance_id(cluster, graph.workers("prefill")[0])
         decode_id = await D.instance_id(cluster, graph.workers("decode")[0])
+        await fe.wait_routable(decode_id, prefill_id=prefill_id)
         res = await fe.chat("Split me", worker_id=decode_id, prefill_id=prefill_id)
         assert res.status == 200, res.body
         assert res.worker_id == decode_id
@@ -119,7 +122,8 @@ async def test_readiness_gate_takes_a_worker_out_of_dynamo_routing_and_back(clus
             await cluster.wait_ready(w.namespace, w.name, timeout=60)
         await fe.wait_model()
         id_a, id_b = await D.instance_id(cluster, a), await D.instance_id(cluster, b)
-        assert (await fe.chat("a", worker_id=id_a)).worker_id == id_a
+        await fe.wait_routable(id_a)
+        await fe.wait_routable(id_b)
 
         await _set_gate(cluster, a, "False")
         await cluster.wait_ready(a.namespace, a.name, ready=False, timeout=30)

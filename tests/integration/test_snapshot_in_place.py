@@ -90,6 +90,7 @@ async def test_mocker_under_entrypoint_is_dumped_and_restored_in_place(
     try:
         await fe.wait_model()
         wid = await D.instance_id(cluster, w)
+        await fe.wait_routable(wid)
         before_ids = await _pinned_ok(fe, wid)
         before_pod = await api.get(R.PODS, w.name, namespace=w.namespace)
         before_dwm = await api.get(R.DWMS, w.name, namespace=w.namespace)
@@ -141,6 +142,7 @@ async def test_mocker_under_entrypoint_is_dumped_and_restored_in_place(
         # This was the model's only worker: while it slept the frontend dropped the model (404);
         # it comes back from the same EndpointSlice entry and DWM, with no re-registration.
         await fe.wait_model(timeout=60)
+        await fe.wait_routable(wid)
         after_ids = await _pinned_ok(fe, wid, n=3)
 
         after_pod = await api.get(R.PODS, w.name, namespace=w.namespace)
