@@ -23,6 +23,7 @@ import yaml
 
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import ApiError, Conflict, NotFound
+from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv.controlplane import ControlPlane, free_port
 from dynsnap.testenv.kubelet import StubKubelet
@@ -236,6 +237,23 @@ class LocalCluster:
             return pod if (conds.get("Ready") == "True") == ready else None
         pod: Obj = await wait_for(f"pod {namespace}/{name} Ready={ready}", check, timeout=timeout)
         return pod
+
+    async def endpoint_of(self, pod: RunningPod, *, label_selector: str) -> Obj | None:
+        """The EndpointSlice endpoint whose targetRef is this pod (by UID), among the slices selected."""
+        slices = await self.api.list(R.ENDPOINT_SLICES, namespace=pod.namespace, label_selector=label_selector)
+        for s in slices.get("items", []):
+            for ep in s.get("endpoints") or []:
+                if ep.get("targetRef", {}).get("uid") == pod.uid:
+                    return dict(ep)
+        return None
+
+    async def set_serving_gate(self, pod: RunningPod, value: bool) -> None:
+        """Set dynsnap's readiness-gate condition the way dynsnap does: its own field manager,
+        server-side apply on the status subresource, no force."""
+        await self.api.apply(R.PODS, {"metadata": {"name": pod.name, "namespace": pod.namespace},
+                                      "status": {"conditions": [{"type": P.CONDITION_SERVING,
+                                                                 "status": "True" if value else "False"}]}},
+                             subresource="status", field_manager=P.FIELD_MANAGER)
 
     async def stop(self) -> None:
         for running in list(self.pods.values()):

@@ -89,21 +89,9 @@ async def test_disaggregated_pair_serves_request_pinned_with_both_headers(cluste
         await D.teardown(cluster, graph)
 
 
-async def _set_gate(cluster: LocalCluster, pod: D.RunningPod, value: str) -> None:
-    # What dynsnap does to take a worker out of serving: its own condition, SSA, no force.
-    await cluster.api.apply(R.PODS, {"metadata": {"name": pod.name, "namespace": pod.namespace},
-                                     "status": {"conditions": [{"type": P.CONDITION_SERVING, "status": value}]}},
-                            subresource="status", field_manager=P.FIELD_MANAGER)
-
-
 async def _slice_ready(cluster: LocalCluster, pod: D.RunningPod) -> bool | None:
-    slices = await cluster.api.list(R.ENDPOINT_SLICES, namespace=pod.namespace,
-                                    label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
-    for s in slices["items"]:
-        for ep in s.get("endpoints") or []:
-            if ep.get("targetRef", {}).get("uid") == pod.uid:
-                return bool(ep["conditions"].get("ready"))
-    return None
+    ep = await cluster.endpoint_of(pod, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
+    return None if ep is None else bool(ep["conditions"].get("ready"))
 
 
 async def test_readiness_gate_takes_a_worker_out_of_dynamo_routing_and_back(cluster: LocalCluster) -> None:
@@ -117,7 +105,7 @@ async def test_readiness_gate_takes_a_worker_out_of_dynamo_routing_and_back(clus
         # A gate nobody has set counts as False: neither worker is Ready until dynsnap sets it.
         for w in (a, b):
             await cluster.wait_ready(w.namespace, w.name, ready=False, timeout=60)
-            await _set_gate(cluster, w, "True")
+            await cluster.set_serving_gate(w, True)
         for w in (a, b):
             await cluster.wait_ready(w.namespace, w.name, timeout=60)
         await fe.wait_model()
@@ -125,7 +113,7 @@ async def test_readiness_gate_takes_a_worker_out_of_dynamo_routing_and_back(clus
         await fe.wait_routable(id_a)
         await fe.wait_routable(id_b)
 
-        await _set_gate(cluster, a, "False")
+        await cluster.set_serving_gate(a, False)
         await cluster.wait_ready(a.namespace, a.name, ready=False, timeout=30)
         await wait_for("a's endpoint not ready", lambda: _not(_slice_ready(cluster, a)), timeout=30)
 
@@ -138,7 +126,7 @@ async def test_readiness_gate_takes_a_worker_out_of_dynamo_routing_and_back(clus
             res = await fe.chat("anyone")
             assert res.status == 200 and res.worker_id == id_b
 
-        await _set_gate(cluster, a, "True")
+        await cluster.set_serving_gate(a, True)
         await cluster.wait_ready(a.namespace, a.name, timeout=30)
         await wait_for("a's endpoint ready", lambda: _slice_ready(cluster, a), timeout=30)
 

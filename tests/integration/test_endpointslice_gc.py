@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import uuid
-from typing import Any
 
 import pytest
 
@@ -15,14 +14,6 @@ from dynsnap.models import resources as R
 from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster, wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-def _endpoint_for(slices: dict[str, Any], pod_uid: str) -> dict[str, Any] | None:
-    for s in slices.get("items", []):
-        for ep in s.get("endpoints") or []:
-            if ep.get("targetRef", {}).get("uid") == pod_uid:
-                return dict(ep)
-    return None
 
 
 async def test_endpointslice_follows_readiness_gate(cluster: LocalCluster) -> None:
@@ -49,35 +40,28 @@ async def test_endpointslice_follows_readiness_gate(cluster: LocalCluster) -> No
     })
     selector = f"kubernetes.io/service-name={name}"
 
-    async def set_gate(value: str) -> None:
-        # dynsnap owns the gate condition: its own field manager, server-side apply, no force.
-        await api.apply(R.PODS, {"metadata": {"name": name, "namespace": TEST_NAMESPACE},
-                                 "status": {"conditions": [{"type": P.CONDITION_SERVING, "status": value}]}},
-                        subresource="status", field_manager=P.FIELD_MANAGER)
-
     async def container_ready_gate_unset() -> bool:
         pod_obj = await api.get(R.PODS, name, namespace=TEST_NAMESPACE)
         conds = {c["type"]: c["status"] for c in pod_obj["status"].get("conditions") or []}
         return conds.get("ContainersReady") == "True" and conds.get("Ready") == "False"
 
     async def endpoint_ready(want: bool) -> bool:
-        slices = await api.list(R.ENDPOINT_SLICES, namespace=TEST_NAMESPACE, label_selector=selector)
-        ep = _endpoint_for(slices, pod.uid)
+        ep = await cluster.endpoint_of(pod, label_selector=selector)
         return ep is not None and ep["conditions"].get("ready") is want and ep["addresses"] == [pod.ip]
 
     # As with kubelet, a gate nobody has set yet counts as False: the probe passes, the pod is not Ready.
     await wait_for("containers ready, pod not Ready", container_ready_gate_unset, timeout=60)
     await wait_for("endpoint published not ready", lambda: endpoint_ready(False), timeout=60)
 
-    await set_gate("True")
+    await cluster.set_serving_gate(pod, True)
     await cluster.wait_ready(TEST_NAMESPACE, name, ready=True, timeout=30)
     await wait_for("endpoint ready", lambda: endpoint_ready(True), timeout=60)
 
-    await set_gate("False")
+    await cluster.set_serving_gate(pod, False)
     await cluster.wait_ready(TEST_NAMESPACE, name, ready=False, timeout=30)
     await wait_for("endpoint not ready", lambda: endpoint_ready(False), timeout=30)
 
-    await set_gate("True")
+    await cluster.set_serving_gate(pod, True)
     await cluster.wait_ready(TEST_NAMESPACE, name, ready=True, timeout=30)
     await wait_for("endpoint ready again", lambda: endpoint_ready(True), timeout=30)
 
