@@ -75,6 +75,33 @@ static inline void logline(const char *fmt, ...)
 	fclose(f);
 }
 
+/* Looks up the last control line "WORD KEY V1 .. Vn" whose KEY equals key; copies its n
+ * values (n <= 2) into vals. Returns 1 when such a line exists, 0 otherwise. */
+static inline int control_keyed(const char *word, int key, long long *vals, int n)
+{
+	char p[4096], line[256];
+	int found = 0;
+	FILE *f;
+
+	path(p, sizeof(p), "control");
+	f = fopen(p, "r");
+	if (!f)
+		return 0;
+	while (fgets(line, sizeof(line), f)) {
+		char w[32];
+		int k;
+		long long v[2];
+
+		if (sscanf(line, "%31s %d %lld %lld", w, &k, &v[0], &v[1]) < 2 + n || strcmp(w, word) || k != key)
+			continue;
+		for (int i = 0; i < n; i++)
+			vals[i] = v[i];
+		found = 1;
+	}
+	fclose(f);
+	return found;
+}
+
 /* Looks up a control directive for fn and pid; returns its value or -1. */
 static inline long long control(const char *kind, const char *fn, int pid)
 {

@@ -47,46 +47,19 @@ static __thread int cur_dev = -1;
 
 static int nocuda(int pid)
 {
-	char p[4096], line[256];
-	int found = 0;
-	FILE *f;
-
-	path(p, sizeof(p), "control");
-	f = fopen(p, "r");
-	if (!f)
-		return 0;
-	while (fgets(line, sizeof(line), f)) {
-		int q;
-
-		if (sscanf(line, "nocuda %d", &q) == 1 && q == pid)
-			found = 1;
-	}
-	fclose(f);
-	return found;
+	return control_keyed("nocuda", pid, NULL, 0);
 }
 
 static long long mem_of(int pid, int *devp)
 {
-	char p[4096], line[256];
-	long long bytes = 0;
-	FILE *f;
+	long long v[2];
 
-	*devp = -1;
-	path(p, sizeof(p), "control");
-	f = fopen(p, "r");
-	if (!f)
+	if (!control_keyed("mem", pid, v, 2)) {
+		*devp = -1;
 		return 0;
-	while (fgets(line, sizeof(line), f)) {
-		int q, d;
-		long long b;
-
-		if (sscanf(line, "mem %d %d %lld", &q, &d, &b) == 3 && q == pid) {
-			*devp = d;
-			bytes = b;
-		}
 	}
-	fclose(f);
-	return bytes;
+	*devp = (int)v[0];
+	return v[1];
 }
 
 static int read_state(int pid)

@@ -55,23 +55,9 @@ static void uuid_str(const unsigned char *u, char *buf, size_t len)
 
 static long long skew(int dev)
 {
-	char p[4096], line[256];
-	long long bytes = 0;
-	FILE *f;
+	long long v = 0;
 
-	path(p, sizeof(p), "control");
-	f = fopen(p, "r");
-	if (!f)
-		return 0;
-	while (fgets(line, sizeof(line), f)) {
-		int d;
-		long long b;
-
-		if (sscanf(line, "nvmlskew %d %lld", &d, &b) == 2 && d == dev)
-			bytes = b;
-	}
-	fclose(f);
-	return bytes;
+	return control_keyed("nvmlskew", dev, &v, 1) ? v : 0;
 }
 
 nvmlReturn_t nvmlInit_v2(void)
