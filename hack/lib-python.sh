@@ -1,7 +1,8 @@
 # shellcheck shell=bash
-# The dev virtualenv (dynsnap + its dev tools), cached under $CACHE keyed by a
-# hash of pyproject.toml; dynsnap itself is installed editable from this
-# checkout on every run (cheap, no dependency resolution).
+# The dev virtualenv (dynsnap with its dev tools and its testenv extra, the local
+# test environment's own dependencies), cached under $CACHE keyed by a hash of
+# pyproject.toml; dynsnap itself is installed editable from this checkout on every
+# run (cheap, no dependency resolution).
 
 setup_python_venv() {
   local py="${DYNSNAP_PYTHON:-python3}"
@@ -14,7 +15,7 @@ setup_python_venv() {
     rm -rf "$DYNSNAP_VENV"
     "$py" -m venv "$DYNSNAP_VENV"
     "$DYNSNAP_VENV/bin/pip" install -q --upgrade pip setuptools==80.9.0 wheel==0.45.1
-    "$DYNSNAP_VENV/bin/pip" install -q -e "$ROOT[dev]" || die "pip install of dynsnap[dev] failed"
+    "$DYNSNAP_VENV/bin/pip" install -q -e "$ROOT[dev,testenv]" || die "pip install of dynsnap[dev,testenv] failed"
     touch "$DYNSNAP_VENV/.complete"
   fi
   "$DYNSNAP_VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
