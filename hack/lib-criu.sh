@@ -33,8 +33,9 @@ _criu_apt_deps() {
 }
 
 # Fetches criu_$CRIU_VERSION.orig.tar.xz into $CACHE/src through apt, from a
-# private deb-src list for sid and forky (the system's apt sources are left as
-# they are). The Debian patch tarball may 404 on the mirror; only the orig
+# private deb-src list for sid and forky on the machine's own Debian mirror
+# (resolve_debian_mirror, hack/lib-registry.sh; the system's apt sources are read,
+# never changed). The Debian patch tarball may 404 on the mirror; only the orig
 # tarball is used and it is checked against CRIU_ORIG_SHA256.
 _criu_fetch_orig() {
   local tarball="$CACHE/src/criu_$CRIU_VERSION.orig.tar.xz"
@@ -43,13 +44,15 @@ _criu_fetch_orig() {
   fi
   local apt="$CACHE/apt-debian-src"
   mkdir -p "$apt/lists/partial" "$apt/dl"
-  cat > "$apt/sources.list" <<'EOF'
-deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main
-deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian forky main
-EOF
+  resolve_debian_mirror
+  local suite
+  for suite in sid forky; do
+    printf 'deb-src %s%s %s main\n' "${DEBIAN_MIRROR_KEYRING:+[signed-by=$DEBIAN_MIRROR_KEYRING] }" \
+      "$DEBIAN_MIRROR_URI" "$suite"
+  done > "$apt/sources.list"
   local -a opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=-
     -o "Dir::State::Lists=$apt/lists" -o APT::Sandbox::User=root)
-  log "criu: fetching criu_$CRIU_VERSION.orig.tar.xz through apt (Debian sid/forky deb-src)"
+  log "criu: fetching criu_$CRIU_VERSION.orig.tar.xz through apt (deb-src sid/forky from $DEBIAN_MIRROR_URI)"
   apt-get "${opts[@]}" update -qq >&2 || die "apt-get update of the private Debian deb-src list failed"
   local ver
   ver=$(apt-cache "${opts[@]}" showsrc criu 2>/dev/null | awk -v v="$CRIU_VERSION" \

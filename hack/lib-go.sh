@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Builds the Go-based real parts (etcd, kube-apiserver, kube-controller-manager,
-# kwok) from the Go module proxy, cached by version under $CACHE/bin.
+# kwok) from the Go module proxy, cached by version under $CACHE/bin, with the go
+# that setup_go chose (hack/lib-gotoolchain.sh).
 # Sourced by hack/setup.sh; every function is idempotent.
 
 build_kube() {
@@ -9,6 +10,7 @@ build_kube() {
     log "kube $KUBE_VERSION: cached"; return 0
   fi
   log "kube $KUBE_VERSION: building kube-apiserver + kube-controller-manager (cold: 15-30 min on 2 cores)"
+  resolve_goproxy  # GOPROXY_URL: the staging module list is read from the proxy below
   local src="$CACHE/src/kube-$KUBE_VERSION"
   rm -rf "$src"; mkdir -p "$src" "$out.tmp"
   (
@@ -19,7 +21,7 @@ build_kube() {
     # replaces them with ./staging paths; a requiring module must map each
     # one to its published tag instead.
     local staging
-    staging=$(curl -fsS "${GOPROXY_URL}/k8s.io/kubernetes/@v/$KUBE_VERSION.mod" \
+    staging=$(curl -fsS "$GOPROXY_URL/k8s.io/kubernetes/@v/$KUBE_VERSION.mod" \
       | awk '/^\t*k8s.io\/[a-z0-9-]+ v0.0.0$/ {print $1}' | sort -u)
     [[ -n "$staging" ]] || die "could not read the staging module list of k8s.io/kubernetes $KUBE_VERSION"
     for m in $staging; do go mod edit -replace="$m=$m@$KUBE_STAGING_VERSION"; done

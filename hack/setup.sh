@@ -9,12 +9,15 @@ ROOT="${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 source "$ROOT/hack/versions.env"
 export DYNSNAP_CACHE="${DYNSNAP_CACHE:-$HOME/.cache/dynsnap}"
 CACHE="$DYNSNAP_CACHE"
-GOPROXY_URL="${GOPROXY_URL:-https://proxy.golang.org}"
+# The Go module proxy and the Debian mirror come from the machine's configuration
+# (hack/lib-registry.sh); DYNSNAP_GOPROXY overrides the proxy for setup's go commands too.
+if [[ -n "${DYNSNAP_GOPROXY:-}" ]]; then export GOPROXY="$DYNSNAP_GOPROXY"; fi
 mkdir -p "$CACHE/bin" "$CACHE/src"
 
 log() { echo "[setup] $*" >&2; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 
+source "$ROOT/hack/lib-registry.sh"
 source "$ROOT/hack/lib-go.sh"
 source "$ROOT/hack/lib-python.sh"
 [[ -f "$ROOT/hack/lib-criu.sh" ]] && source "$ROOT/hack/lib-criu.sh"
