@@ -18,6 +18,7 @@ log() { echo "[setup] $*" >&2; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 
 source "$ROOT/hack/lib-registry.sh"
+source "$ROOT/hack/lib-gotoolchain.sh"
 source "$ROOT/hack/lib-go.sh"
 source "$ROOT/hack/lib-python.sh"
 [[ -f "$ROOT/hack/lib-criu.sh" ]] && source "$ROOT/hack/lib-criu.sh"
@@ -33,7 +34,7 @@ export DYNSNAP_NATIVE_BIN="$ROOT/native/build"
 
 setup_all() {
   local t0=$SECONDS
-  command -v go >/dev/null || die "go is not installed (needed to build etcd, kube-apiserver, kwok)"
+  setup_go   # go >= GO_MIN_VERSION for etcd, kube-apiserver, kwok (installed or fetched when missing/older)
   setup_python_venv
   build_etcd
   build_kwok
