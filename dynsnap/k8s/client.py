@@ -1,16 +1,20 @@
-"""A small JSON client over kubernetes_asyncio's transport.
+"""A small JSON client over kubernetes_asyncio's transport (layer: k8s).
 
 Objects are plain dicts exactly as the API server sent them: rebuilding a foreign
 object from a generated model drops fields the model does not know (STYLE.md), so
 nothing here deserialises into models. Writes are server-side apply by default,
-under one field manager set on the client. ``watch`` yields raw events and raises
-``Gone`` on 410 so the caller relists.
+under one field manager set on the client.
+
+Every plain request (get/list/create/apply/patch/replace/delete) runs under the client's
+named retry policy (``dynsnap.k8s.retry``; ``retry=False`` on a call opts out). ``watch``
+is never retried here: it yields raw events, raises ``Gone`` on 410 and ``WatchSilent``
+when no byte arrives within its deadline, and the informer's own loop reconnects.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +22,10 @@ import aiohttp
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
-from dynsnap.k8s.errors import ApiError, error_for
+from dynsnap.k8s import config, retry
+from dynsnap.k8s.errors import ApiError, WatchSilent, error_for
 from dynsnap.models import protocol
-from dynsnap.models.resources import Resource
+from dynsnap.models.resources import SERVICE_ACCOUNTS, Resource
 
 Obj = dict[str, Any]
 
@@ -28,19 +33,72 @@ _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
 _JSON_PATCH = "application/json-patch+json"
 
+# What the TokenRequest API mints by default: the in-cluster issuer/audience of the local
+# control plane and of a kubeadm cluster alike.
+DEFAULT_AUDIENCE = "https://kubernetes.default.svc"
+
 
 class Kube:
-    """One API server connection with a fixed field manager."""
+    """One API server connection with a fixed field manager and retry policy.
 
-    def __init__(self, api: k8s_client.ApiClient, *, field_manager: str = protocol.FIELD_MANAGER) -> None:
+    Build it with ``from_kubeconfig``, ``from_token`` or ``in_cluster``, inside the running event
+    loop (the HTTP session binds to it). ``namespace`` is the service account's namespace when in
+    a cluster, else None.
+    """
+
+    def __init__(
+        self,
+        api: k8s_client.ApiClient,
+        *,
+        field_manager: str = protocol.FIELD_MANAGER,
+        retry_policy: retry.RetryPolicy = retry.DEFAULT,
+        namespace: str | None = None,
+        token_file: config.TokenFile | None = None,
+    ) -> None:
         self._api = api
         self.field_manager = field_manager
+        self.retry_policy = retry_policy
+        self.namespace = namespace
+        self.token_file = token_file
 
     @classmethod
     async def from_kubeconfig(cls, path: Path | str, *, field_manager: str = protocol.FIELD_MANAGER) -> Kube:
         cfg = k8s_client.Configuration()
         await k8s_config.load_kube_config(config_file=str(path), client_configuration=cfg)
         return cls(k8s_client.ApiClient(configuration=cfg), field_manager=field_manager)
+
+    @classmethod
+    def from_token(
+        cls,
+        *,
+        server: str,
+        token: str | None = None,
+        token_file: Path | str | None = None,
+        ca_cert: Path | str | None = None,
+        field_manager: str = protocol.FIELD_MANAGER,
+        retry_policy: retry.RetryPolicy = retry.DEFAULT,
+        namespace: str | None = None,
+    ) -> Kube:
+        """A client authenticating with a bearer token (literal, or a file re-read when it changes)."""
+        cfg, source = config.token_configuration(server=server, token=token, token_file=token_file, ca_cert=ca_cert)
+        return cls(k8s_client.ApiClient(configuration=cfg), field_manager=field_manager, retry_policy=retry_policy,
+                   namespace=namespace, token_file=source)
+
+    @classmethod
+    def in_cluster(
+        cls,
+        *,
+        sa_dir: Path | str = config.SERVICE_ACCOUNT_DIR,
+        host: str | None = None,
+        port: str | int | None = None,
+        field_manager: str = protocol.FIELD_MANAGER,
+        retry_policy: retry.RetryPolicy = retry.DEFAULT,
+    ) -> Kube:
+        """The pod's own service account: token (re-read on rotation), CA and namespace from ``sa_dir``,
+        the server from ``host``/``port`` or ``KUBERNETES_SERVICE_HOST``/``KUBERNETES_SERVICE_PORT``."""
+        ic = config.in_cluster(sa_dir=sa_dir, host=host, port=port)
+        return cls.from_token(server=ic.server, token_file=ic.token_file, ca_cert=ic.ca_cert,
+                              field_manager=field_manager, retry_policy=retry_policy, namespace=ic.namespace)
 
     async def close(self) -> None:
         await self._api.close()
@@ -76,6 +134,19 @@ class Kube:
         )
         return resp
 
+    async def _once(
+        self, method: str, path: str, *, query: Mapping[str, Any] | None, body: Any, content_type: str, timeout: float
+    ) -> Obj:
+        resp = await self._raw(method, path, query=query, body=body, content_type=content_type, timeout=timeout)
+        try:
+            text = await resp.text()
+        finally:
+            resp.release()
+        if not 200 <= resp.status <= 299:
+            raise error_for(resp.status, text, method=method, path=path, headers=resp.headers)
+        out: Obj = json.loads(text) if text else {}
+        return out
+
     async def request(
         self,
         method: str,
@@ -85,16 +156,14 @@ class Kube:
         body: Any = None,
         content_type: str = "application/json",
         timeout: float = 30.0,
+        retry: bool = True,
     ) -> Obj:
-        resp = await self._raw(method, path, query=query, body=body, content_type=content_type, timeout=timeout)
-        try:
-            text = await resp.text()
-        finally:
-            resp.release()
-        if not 200 <= resp.status <= 299:
-            raise error_for(resp.status, text, method=method, path=path)
-        out: Obj = json.loads(text) if text else {}
-        return out
+        """One API call, under the client's retry policy unless ``retry=False``; ``timeout`` is per attempt."""
+        async def once() -> Obj:
+            return await self._once(method, path, query=query, body=body, content_type=content_type, timeout=timeout)
+        if not retry:
+            return await once()
+        return await self.retry_policy.call(f"{method} {path}", once)
 
     # -- verbs -------------------------------------------------------------------------------------
 
@@ -111,9 +180,14 @@ class Kube:
         label_selector: str | None = None,
         field_selector: str | None = None,
         resource_version: str | None = None,
+        limit: int | None = None,
+        continue_token: str | None = None,
+        retry: bool = True,
     ) -> Obj:
-        query = {"labelSelector": label_selector, "fieldSelector": field_selector, "resourceVersion": resource_version}
-        return await self.request("GET", res.path(namespace=namespace), query=query)
+        """One list request (one page when ``limit`` is set; pass back ``metadata.continue`` for the next)."""
+        query = {"labelSelector": label_selector, "fieldSelector": field_selector, "resourceVersion": resource_version,
+                 "limit": limit, "continue": continue_token}
+        return await self.request("GET", res.path(namespace=namespace), query=query, retry=retry)
 
     async def create(self, res: Resource, body: Obj, *, namespace: str | None = None) -> Obj:
         ns = namespace if namespace is not None else body.get("metadata", {}).get("namespace")
@@ -155,14 +229,34 @@ class Kube:
 
     async def delete(
         self, res: Resource, name: str, *, namespace: str | None = None, propagation: str | None = None,
-        grace_period_seconds: int | None = None,
+        grace_period_seconds: int | None = None, uid: str | None = None, resource_version: str | None = None,
     ) -> Obj:
+        """Delete ``name``; with ``uid`` (and/or ``resource_version``) only that very object.
+
+        The preconditions make the API server answer 409 Conflict instead of deleting an object
+        that was deleted and recreated under the same name since we read it.
+        """
         body: Obj = {"kind": "DeleteOptions", "apiVersion": "v1"}
         if propagation:
             body["propagationPolicy"] = propagation
         if grace_period_seconds is not None:
             body["gracePeriodSeconds"] = grace_period_seconds
+        preconditions = {k: v for k, v in (("uid", uid), ("resourceVersion", resource_version)) if v is not None}
+        if preconditions:
+            body["preconditions"] = preconditions
         return await self.request("DELETE", res.path(namespace=namespace, name=name), body=body)
+
+    async def request_token(
+        self, service_account: str, *, namespace: str, audiences: Sequence[str] | None = None,
+        expiration_seconds: int = 3600,
+    ) -> str:
+        """A bound token for ``service_account`` from the TokenRequest API (needs ``create`` on
+        ``serviceaccounts/token``). The API server may shorten ``expiration_seconds`` (minimum 600)."""
+        spec = {"audiences": [*audiences] if audiences else [DEFAULT_AUDIENCE], "expirationSeconds": expiration_seconds}
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+        path = SERVICE_ACCOUNTS.path(namespace=namespace, name=service_account, subresource="token")
+        out = await self.request("POST", path, body=body)
+        return str(out["status"]["token"])
 
     async def watch(
         self,
@@ -175,15 +269,17 @@ class Kube:
         bookmarks: bool = True,
         send_initial_events: bool = False,
         timeout_seconds: int = 300,
+        silent_deadline: float | None = None,
     ) -> AsyncIterator[Obj]:
         """Yield watch events (``{"type": ..., "object": ...}``) until the server closes the stream.
 
         An ``ERROR`` event carrying a 410 Status is raised as ``Gone``; the caller relists.
         ``send_initial_events`` asks for a streaming list: ADDED events for what exists, then a
         BOOKMARK annotated ``k8s.io/initial-events-end``. The server ends the stream after
-        ``timeout_seconds``; the client gives up if no byte
-        arrives for that long plus a margin (a silent stream is a dead one).
+        ``timeout_seconds``; if no byte arrives for ``silent_deadline`` seconds (default: that
+        timeout plus 30 s) the stream is dead and ``WatchSilent`` is raised.
         """
+        deadline = silent_deadline if silent_deadline is not None else timeout_seconds + 30.0
         query = {
             "watch": "true",
             "resourceVersion": resource_version,
@@ -195,14 +291,22 @@ class Kube:
             "timeoutSeconds": timeout_seconds,
         }
         path = res.path(namespace=namespace)
-        resp = await self._raw("GET", path, query=query,
-                               timeout=aiohttp.ClientTimeout(connect=10.0, sock_read=timeout_seconds + 30.0))
+        try:
+            resp = await self._raw("GET", path, query=query,
+                                   timeout=aiohttp.ClientTimeout(connect=10.0, sock_read=deadline))
+        except aiohttp.SocketTimeoutError as e:
+            raise WatchSilent(f"WATCH {path}: no response within {deadline:.1f}s") from e
+        finished = False
         try:
             if not 200 <= resp.status <= 299:
-                raise error_for(resp.status, await resp.text(), method="WATCH", path=path)
+                raise error_for(resp.status, await resp.text(), method="WATCH", path=path, headers=resp.headers)
             while True:
-                line = await resp.content.readline()
+                try:
+                    line = await resp.content.readline()
+                except TimeoutError as e:  # aiohttp's sock_read timeout: no byte within the deadline
+                    raise WatchSilent(f"WATCH {path}: no byte for {deadline:.1f}s") from e
                 if not line:
+                    finished = True
                     return
                 event: Obj = json.loads(line)
                 if event.get("type") == "ERROR":
@@ -210,7 +314,11 @@ class Kube:
                     raise error_for(int(status.get("code", 500)), json.dumps(status), method="WATCH", path=path)
                 yield event
         finally:
-            resp.release()
+            # A stream left half-read cannot go back to the pool: close its connection.
+            if finished:
+                resp.release()
+            else:
+                resp.close()
 
 
 def _query_value(v: Any) -> str:
