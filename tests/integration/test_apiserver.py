@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from dynsnap.k8s.errors import Conflict, Gone
-from dynsnap.k8s.informer import ListWatch
+from dynsnap.k8s.informer import Informer
 from dynsnap.models import resources as R
 from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster
 
@@ -120,14 +120,11 @@ async def test_watch_from_too_old_resource_version_is_gone_and_relist_recovers(c
             pass
     name = f"relist-{uuid.uuid4().hex[:6]}"
     await api.create(R.CONFIG_MAPS, _cm(name, {"k": "v"}))
-    lw = ListWatch(api, R.CONFIG_MAPS, namespace=TEST_NAMESPACE, resource_version=old_rv, timeout_seconds=5)
-    names: set[str] = set()
-    async def run() -> None:
-        async for kind, payload in lw.events():
-            if kind == "SYNC":
-                assert isinstance(payload, list)
-                names.update(o["metadata"]["name"] for o in payload)
-                return
-    await asyncio.wait_for(run(), 30)
-    assert lw.relists == 1 and name in names
+    # An informer told to resume from the compacted point gets the 410, relists, and is level.
+    informer = Informer(api, R.CONFIG_MAPS, namespace=TEST_NAMESPACE)
+    informer.resource_version = old_rv
+    async with informer:
+        await informer.wait_synced(timeout=30)
+        assert informer.stats.relists_after_gone == 1 and informer.stats.lists == 1
+        assert informer.store.get(TEST_NAMESPACE, name) is not None
     await api.delete(R.CONFIG_MAPS, name, namespace=TEST_NAMESPACE)
