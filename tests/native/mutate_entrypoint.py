@@ -1,0 +1,178 @@
+"""Mutation check of dynsnap-entrypoint (docs/ENTRYPOINT.md, "Mutation check"): each row of the
+doc's table, as an exact replacement in native/entrypoint/*.c or the shared header, built with
+`make -C native entrypoint` into a private build directory, then the tests that must go red.
+Not collected by pytest (no test_ prefix). From the repository root, as root (the tests unshare
+pid namespaces), with the dev venv's python:
+
+    V=$(ls -td ~/.cache/dynsnap/venv-dev-*/ | head -1)
+    $V/bin/python tests/native/mutate_entrypoint.py [--list] [--all-failures] [INDEX|ID ...]
+
+The CRIU rows need CRIU 4.2.1 at ~/.cache/dynsnap/criu-4.2.1 (`./run setup`); without it those
+tests skip and a mutant that only they catch is reported, not passed. tests/mutation/runner.py
+says how a run goes and what each outcome means.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.mutation.runner import Suite, main, mutation
+
+MAIN = "native/entrypoint/main.c"
+PROBE = "native/entrypoint/probe.c"
+SECCOMP = "native/entrypoint/seccomp.c"
+HEADER = "native/include/dynsnap_protocol.h"
+
+E = "tests/native/test_entrypoint.py::"
+PID_RANGE = E + "test_pid_range_is_reserved_before_anything_starts"
+RESERVATION_LOUD = E + "test_failed_pid_reservation_is_loud_and_recorded"
+PROBES = E + "test_probes_mirror_the_worker_while_active_and_answer_for_it_otherwise"
+SNAPSHOTTED_EXIT = E + "test_worker_tree_exiting_while_snapshotted_keeps_the_container_up"
+NO_WORKER_SIGTERM = E + "test_sigterm_with_no_worker_stops_cleanly"
+SUSPENDED_EXIT = E + "test_worker_exiting_while_active_or_suspended_ends_the_container"
+RESTORED = E + "test_a_tree_restored_in_place_is_adopted_and_reaped"
+CRIU = E + "test_criu_dumps_the_worker_tree_and_restores_it_under_the_same_pid1"
+IO_URING = E + "test_io_uring_is_refused_with_enosys_unless_turned_off"
+SIGTERM = E + "test_sigterm_reaches_the_worker_group_and_the_container_stops_with_its_status"
+CRASH = E + "test_worker_crash_exits_with_the_same_code"
+LOG_STDOUT = E + "test_worker_output_goes_to_a_log_file_and_to_stdout"
+LOG_KEEPS = E + "test_log_file_keeps_its_size_while_not_active"
+SIGNALS = E + "test_worker_starts_with_no_blocked_or_ignored_signals"
+BAD_REQUESTS = E + "test_bad_state_requests_are_refused_and_acknowledged"
+BAD_ARGS = E + "test_bad_arguments_are_a_usage_error"
+LEFT_REQUEST = E + "test_a_request_left_by_a_previous_container_is_ignored"
+PROTOCOL = "tests/unit/test_protocol_native.py"
+
+MUTATIONS = (
+    mutation(
+        "no-ns-last-pid-write", "no `ns_last_pid` write", MAIN,
+        "if (fd >= 0 && write(fd, val, (size_t)n) == n) {",
+        "if (fd >= 0 && n > 0) {",
+        tests=[PID_RANGE, RESERVATION_LOUD]),
+    mutation(
+        "health-proxied-in-every-state", "`/health` proxies in every state", PROBE,
+        "\tif (ep->state != ST_ACTIVE) {\n\t\tbool live",
+        "\tif (ep->state != ST_ACTIVE && path[1] == 'l') {\n\t\tbool live",
+        # Only a test with a live worker outside `active` can see it: where the tree is gone
+        # (snapshotted, the CRIU test) the proxied /health is 503 "unreachable" anyway.
+        tests=[PROBES]),
+    mutation(
+        "live-proxied-in-every-state", "`/live` asks the worker in every state", PROBE,
+        "\tif (ep->state != ST_ACTIVE) {\n\t\tbool live",
+        "\tif (ep->state != ST_ACTIVE && path[1] != 'l') {\n\t\tbool live",
+        tests=[PROBES]),
+    mutation(
+        "no-seccomp-filter", "no seccomp filter", MAIN,
+        "if (ep->seccomp && (rc = seccomp_block_io_uring()) != 0) {",
+        "if (0 && ep->seccomp && (rc = seccomp_block_io_uring()) != 0) {",
+        tests=[IO_URING, CRIU]),
+    mutation(
+        "filter-foreign-arch", "filter checks a foreign arch", SECCOMP,
+        "#define NATIVE_ARCH AUDIT_ARCH_X86_64\n#define COMPAT_ARCH AUDIT_ARCH_I386\n",
+        "#define NATIVE_ARCH AUDIT_ARCH_AARCH64\n#define COMPAT_ARCH AUDIT_ARCH_ARM\n",
+        tests=[IO_URING]),
+    mutation(
+        "eperm-not-enosys", "EPERM instead of ENOSYS", SECCOMP,
+        "SECCOMP_RET_ERRNO | (ENOSYS & SECCOMP_RET_DATA)",
+        "SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)",
+        tests=[IO_URING]),
+    mutation(
+        "signal-leader-only", "signal to the leader only, not the group", MAIN,
+        "kill(-ep.worker_pid, sig);",
+        "kill(ep.worker_pid, sig);",
+        tests=[SIGTERM]),
+    mutation(
+        "exit-with-worker-in-any-state", "exit with the worker whatever the state", MAIN,
+        "if (stopping || ep.state == ST_ACTIVE || ep.state == ST_SUSPENDED) {",
+        "if (stopping || 1) {",
+        tests=[SNAPSHOTTED_EXIT, NO_WORKER_SIGTERM, RESTORED, CRIU]),
+    mutation(
+        "ignore-exit-while-suspended", "ignore a tree exit while `suspended`", MAIN,
+        "if (stopping || ep.state == ST_ACTIVE || ep.state == ST_SUSPENDED) {",
+        "if (stopping || ep.state == ST_ACTIVE) {",
+        tests=[SUSPENDED_EXIT]),
+    mutation(
+        "restored-tree-not-adopted", "restored tree not adopted (not seen as our child)", MAIN,
+        "if (!ep.worker_alive && is_our_child(ep.worker_pid)) {",
+        "if (0 && !ep.worker_alive && is_our_child(ep.worker_pid)) {",
+        tests=[RESTORED, CRIU]),
+    mutation(
+        "exit-0-not-worker-status", "exit 0 instead of the worker's status", MAIN,
+        "return ep.worker_status;",
+        "return 0;",
+        tests=[CRASH, SIGTERM + "[3]"]),
+    mutation(
+        "log-not-copied", "log not copied to stdout", MAIN,
+        "w = write(1, buf + off, (size_t)(n - off));",
+        "w = n - off;",
+        tests=[SIGTERM, LOG_STDOUT, LOG_KEEPS, RESTORED]),
+    mutation(
+        "log-truncated-in-any-state", "log truncated in any state", MAIN,
+        "ep->state == ST_ACTIVE && truncate(ep->log_path, 0) == 0)",
+        "truncate(ep->log_path, 0) == 0)",
+        tests=[LOG_KEEPS]),
+    mutation(
+        "stdin-inherited", "stdin inherited, not `/dev/null`", MAIN,
+        "if (nul < 0 || dup2(nul, 0) < 0 || dup2(logfd, 1) < 0",
+        "if (nul < 0 || dup2(logfd, 1) < 0",
+        tests=[SIGTERM]),
+    mutation(
+        "inherited-ignored-signals-kept",
+        "dispositions the entrypoint inherited as ignored (SIGINT, SIGQUIT) left ignored for the worker "
+        "(only SIGPIPE reset, the code before the fix)", MAIN,
+        "\t\tfor (int s = 1; s < NSIG; s++)\n\t\t\tif (s != SIGKILL && s != SIGSTOP)\n\t\t\t\tsignal(s, SIG_DFL);\n",
+        "\t\tsignal(SIGPIPE, SIG_DFL);\n",
+        tests=[SIGNALS]),
+    mutation(
+        "requests-not-acknowledged", "state requests not acknowledged", MAIN,
+        "\t\t\tif (seq > 0)\n\t\t\t\tep.request_seq = seq;\n",
+        "\t\t\t(void)seq;\n",
+        tests=[PROBES, BAD_REQUESTS]),
+    mutation(
+        "usage-exit-1", "usage errors exit 1", MAIN,
+        "#define EXIT_USAGE 2",
+        "#define EXIT_USAGE 1",
+        tests=[BAD_ARGS]),
+    mutation(
+        "sigpipe-ignored", "SIGPIPE left ignored in the worker", MAIN,
+        "if (s != SIGKILL && s != SIGSTOP)",
+        "if (s != SIGKILL && s != SIGSTOP && s != SIGPIPE)",
+        tests=[SIGNALS]),
+    mutation(
+        "signal-mask-not-cleared", "signal mask not cleared in the worker", MAIN,
+        "\t\tsigemptyset(&all);\n\t\tsigprocmask(SIG_SETMASK, &all, NULL);\n",
+        "\t\tsigemptyset(&all);\n",
+        tests=[SIGTERM]),
+    mutation(
+        "stale-request-kept", "stale `state-request` not removed at start", MAIN,
+        "if (unlink(req) == 0)",
+        "if (0 && unlink(req) == 0)",
+        tests=[LEFT_REQUEST]),
+    mutation(
+        "header-floor-12000", "header floor 10000 → 12000", HEADER,
+        "#define DYNSNAP_PID_FLOOR 10000\n",
+        "#define DYNSNAP_PID_FLOOR 12000\n",
+        tests=[PROTOCOL, PID_RANGE]),
+    mutation(
+        "header-sixth-state", "a sixth state added to the header only", HEADER,
+        '#define DYNSNAP_STATE_RESTORING "restoring"\n',
+        '#define DYNSNAP_STATE_RESTORING "restoring"\n#define DYNSNAP_STATE_DRAINING "draining"\n',
+        tests=[PROTOCOL]),
+)
+
+SUITE = Suite(
+    name="dynsnap-entrypoint",
+    doc="docs/ENTRYPOINT.md",
+    mutations=MUTATIONS,
+    build=("make", "-s", "-C", "native", "BUILD={build}", "entrypoint"),
+    rebuild=("make", "-s", "-C", "native", "BUILD={root}/native/build", "entrypoint"),  # from the restored source
+    env={"DYNSNAP_NATIVE_BIN": "{build}"},  # the tests run the private build's binary
+    pytest_args=("--timeout", "180"),
+    timeout=1200,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(SUITE))
