@@ -50,8 +50,8 @@ resolve_goproxy() {
   fi
   GOPROXY_URL=$(goproxy_first_url "$list") \
     || die "no Go module proxy URL in $from ('$list'): 'direct' and 'off' are not proxies, and go ignores" \
-      "what follows them. Setup fetches from a proxy: set one with 'go env -w GOPROXY=https://proxy.golang.org,direct'" \
-      "(or your mirror's URL), or DYNSNAP_GOPROXY=<url> for setup alone"
+      "what follows them. Setup fetches from a proxy: set one with 'go env -w GOPROXY=<proxy URL>,direct'" \
+      "(Go's default names its public module proxy first), or DYNSNAP_GOPROXY=<url> for setup alone"
   log "go module proxy: $GOPROXY_URL (from $from)"
 }
 
@@ -174,11 +174,11 @@ resolve_debian_mirror() {
     local -a files
     mapfile -t files < <(_apt_source_files)
     [[ ${#files[@]} -gt 0 ]] || die "no apt sources found (sources.list, sources.list.d/*.list|*.sources);" \
-      "set DYNSNAP_DEBIAN_MIRROR=<url of a Debian archive mirror, e.g. http://deb.debian.org/debian>"
+      "set DYNSNAP_DEBIAN_MIRROR=<URL of a Debian archive mirror, as an apt source names it>"
     found=$(debian_apt_mirror "$codename" "${files[@]}") \
       || die "no apt source serves Debian's main archive for '${codename:-stable/testing/unstable}'" \
-        "(read: ${files[*]}; this is ${id:-an unknown system}); set DYNSNAP_DEBIAN_MIRROR=<url of a Debian" \
-        "archive mirror, e.g. http://deb.debian.org/debian> (and DYNSNAP_DEBIAN_KEYRING=<keyring> if needed)"
+        "(read: ${files[*]}; this is ${id:-an unknown system}); set DYNSNAP_DEBIAN_MIRROR=<URL of a Debian" \
+        "archive mirror, as an apt source names it> (and DYNSNAP_DEBIAN_KEYRING=<keyring> if needed)"
     DEBIAN_MIRROR_URI="${found%%$'\t'*}" found="${found#*$'\t'}"
     kr="${found%%$'\t'*}" from="${found#*$'\t'}"
     if [[ "$kr" == -----BEGIN* ]]; then

@@ -32,16 +32,16 @@ def _script(path: Path, body: str) -> None:
 
 
 @pytest.mark.parametrize(("goproxy", "url"), [
-    ("https://proxy.golang.org,direct", "https://proxy.golang.org"),
-    ("https://goproxy.corp.example/go/|https://proxy.golang.org", "https://goproxy.corp.example/go"),
+    ("https://goproxy.example,direct", "https://goproxy.example"),
+    ("https://goproxy.corp.example/go/|https://goproxy.example", "https://goproxy.corp.example/go"),
     ("http://127.0.0.1:3000,direct", "http://127.0.0.1:3000"),
     (" https://a.example , https://b.example ", "https://a.example"),
     ("file:///srv/goproxy,https://mirror.example", "https://mirror.example"),  # not an http(s) proxy
     ("goproxy.corp.example", "https://goproxy.corp.example"),  # go reads a bare host as https://
     ("direct", None),
     ("off", None),
-    ("direct,https://proxy.golang.org", None),  # go never reads past direct
-    ("off|https://proxy.golang.org", None),
+    ("direct,https://goproxy.example", None),  # go never reads past direct
+    ("off|https://goproxy.example", None),
     ("", None),
 ])
 def test_goproxy_first_url(tmp_path: Path, goproxy: str, url: str | None) -> None:
@@ -69,7 +69,7 @@ def test_resolve_goproxy_reads_go_env(tmp_path: Path) -> None:
     assert "go module proxy: https://goproxy.corp.example (from go env GOPROXY)" in proc.stderr
 
 
-@pytest.mark.parametrize("goproxy", ["direct", "off", "direct,https://proxy.golang.org"])
+@pytest.mark.parametrize("goproxy", ["direct", "off", "direct,https://goproxy.example"])
 def test_resolve_goproxy_without_a_proxy_fails_clearly(tmp_path: Path, goproxy: str) -> None:
     _fake_go(tmp_path, goproxy)
     proc = _bash('resolve_goproxy; echo "url=$GOPROXY_URL"', tmp_path)
@@ -97,24 +97,24 @@ KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 # This machine's own shape: deb822 main + security stanzas, a third-party .sources.
 DEBIAN_SOURCES = f"""\
 Types: deb
-# http://snapshot.debian.org/archive/debian/20250520T000000Z
-URIs: http://deb.debian.org/debian
+# a comment inside a stanza
+URIs: http://debian-mirror.example/debian
 Suites: bookworm bookworm-updates
 Components: main
 Signed-By: {KEYRING}
 
 Types: deb
-URIs: http://deb.debian.org/debian-security
+URIs: http://debian-mirror.example/debian-security
 Suites: bookworm-security
 Components: main
 Signed-By: {KEYRING}
 """
-NODESOURCE = """\
+THIRD_PARTY = """\
 Types: deb
-URIs: https://deb.nodesource.com/node_20.x
+URIs: https://thirdparty.example/node_20.x
 Suites: nodistro
 Components: main
-Signed-By: /usr/share/keyrings/nodesource.gpg
+Signed-By: /usr/share/keyrings/thirdparty.gpg
 """
 
 
@@ -134,10 +134,10 @@ def _mirror(tmp: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 def test_deb822_picks_the_main_archive_and_its_keyring(tmp_path: Path) -> None:
     env = _apt(tmp_path, {"sources.list.d/debian.sources": DEBIAN_SOURCES,
-                          "sources.list.d/nodesource.sources": NODESOURCE})
+                          "sources.list.d/thirdparty.sources": THIRD_PARTY})
     proc = _mirror(tmp_path, env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"http://deb.debian.org/debian|{KEYRING}\n"
+    assert proc.stdout == f"http://debian-mirror.example/debian|{KEYRING}\n"
     assert "sources.list.d/debian.sources" in proc.stderr
 
 
@@ -145,8 +145,8 @@ def test_one_line_sources_skip_security_and_third_party(tmp_path: Path) -> None:
     # security first, then a third party carrying the codename in its suite, then the
     # mirror's -updates suite, then the mirror itself (odd spacing, a trailing comment)
     sources_list = "\n".join([
-        "deb http://security.debian.org/debian-security bookworm-security main contrib",
-        "deb [arch=amd64 signed-by=/usr/share/keyrings/cloud.google.gpg] https://packages.cloud.google.com/apt"
+        "deb http://debian-mirror.example/debian-security bookworm-security main contrib",
+        "deb [arch=amd64 signed-by=/usr/share/keyrings/vendor.gpg] https://vendor.example/apt"
         " cloud-sdk-bookworm main",
         "deb-src http://mirror.corp.example/debian/ bookworm-updates main",
         "  deb   [ arch=amd64  signed-by=/etc/apt/keyrings/corp.gpg ]   http://mirror.corp.example/debian/  bookworm"
@@ -166,21 +166,22 @@ def test_plain_one_line_entry_has_no_keyring(tmp_path: Path) -> None:
     assert proc.stdout == "https://artifactory.corp.example/debian-remote|\n"
 
 
-@pytest.mark.parametrize("options", ["[signed-by=/usr/share/keyrings/nodesource.gpg] ", ""])
+@pytest.mark.parametrize("options", ["[signed-by=/usr/share/keyrings/thirdparty.gpg] ", ""])
 def test_a_third_party_bookworm_main_repo_loses_to_debian(tmp_path: Path, options: str) -> None:
     # A third party that names its suite after the release and has a "main" component,
     # in a file apt reads before debian.sources: Debian's keyring, and else the /debian
     # path, win.
     env = _apt(tmp_path, {
-        "sources.list.d/00-node.list": f"deb {options}https://deb.nodesource.com/node_18.x bookworm main\n",
+        "sources.list.d/00-node.list": f"deb {options}https://thirdparty.example/node_18.x bookworm main\n",
         "sources.list.d/debian.sources": DEBIAN_SOURCES})
     proc = _mirror(tmp_path, env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"http://deb.debian.org/debian|{KEYRING}\n"
+    assert proc.stdout == f"http://debian-mirror.example/debian|{KEYRING}\n"
 
 
 def test_disabled_entries_and_files_are_not_read(tmp_path: Path) -> None:
-    disabled = DEBIAN_SOURCES.replace("Types: deb\n# http", "Enabled: no\nTypes: deb\n# http", 1)
+    disabled = DEBIAN_SOURCES.replace("Types: deb\n# a comment", "Enabled: no\nTypes: deb\n# a comment", 1)
+    assert disabled.startswith("Enabled: no\n")
     env = _apt(tmp_path, {
         "sources.list.d/debian.sources": disabled,
         "sources.list.d/mirror.list.disabled-by-farm": "deb http://other.example/debian bookworm main\n"})
@@ -198,7 +199,7 @@ def test_no_sources_at_all_fails_clearly(tmp_path: Path) -> None:
 
 
 def test_an_ubuntu_archive_is_not_a_debian_mirror(tmp_path: Path) -> None:
-    env = _apt(tmp_path, {"sources.list": "deb http://archive.ubuntu.com/ubuntu noble main universe\n"},
+    env = _apt(tmp_path, {"sources.list": "deb http://ubuntu-mirror.example/ubuntu noble main universe\n"},
                os_release="ID=ubuntu\nID_LIKE=debian\nVERSION_CODENAME=noble\n")
     proc = _mirror(tmp_path, env)
     assert proc.returncode == 1
@@ -256,8 +257,8 @@ def test_criu_private_deb_src_list_uses_the_mirror(tmp_path: Path) -> None:
     assert "apt-get update of the private Debian deb-src list failed" in proc.stderr
     private = tmp_path / "cache" / "apt-debian-src"
     assert (private / "sources.list").read_text() == (
-        f"deb-src [signed-by={KEYRING}] http://deb.debian.org/debian sid main\n"
-        f"deb-src [signed-by={KEYRING}] http://deb.debian.org/debian forky main\n")
+        f"deb-src [signed-by={KEYRING}] http://debian-mirror.example/debian sid main\n"
+        f"deb-src [signed-by={KEYRING}] http://debian-mirror.example/debian forky main\n")
     assert f"Dir::Etc::SourceList={private}/sources.list" in (tmp_path / "apt.log").read_text()
 
 
