@@ -52,14 +52,14 @@ class Backoff:
 _rng = random.Random()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FailureBudget:
     """Consecutive failures within a sliding window; ``success()`` clears them."""
 
     max_failures: int
     window: float
     clock: Callable[[], float] = time.monotonic
-    _times: deque[float] = field(default_factory=deque)
+    _times: deque[float] = field(default_factory=deque, init=False)
 
     def success(self) -> None:
         self._times.clear()

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 from typing import Final
 
@@ -92,6 +92,7 @@ class _Seen:
 @dataclass
 class EventRecorder:
     kube: Kube
+    _: KW_ONLY
     reporting_controller: str  # a qualified name, e.g. "dynsnap.io/controller"
     reporting_instance: str  # this process, e.g. the pod name
     # Five minutes: a failing reconcile retried on controller-runtime-style backoff (capped at a few
@@ -100,8 +101,8 @@ class EventRecorder:
     max_tracked: int = 1024
     clock: Callable[[], float] = time.monotonic
     now: Callable[[], datetime] = times.now
-    stats: EventStats = field(default_factory=EventStats)
-    _seen: OrderedDict[tuple[str, ...], _Seen] = field(default_factory=OrderedDict)
+    stats: EventStats = field(default_factory=EventStats, init=False)
+    _seen: OrderedDict[tuple[str, ...], _Seen] = field(default_factory=OrderedDict, init=False)
 
     async def normal(self, regarding: Obj, *, reason: str, action: str, note: str,
                      related: Obj | None = None) -> Obj | None:

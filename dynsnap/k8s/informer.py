@@ -29,7 +29,6 @@ omits them in lists), so every object in the store names its type.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import random
@@ -57,7 +56,7 @@ Handler = Callable[[str, Obj], Awaitable[None] | None]
 MAX_PAGES = 10_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InformerSettings:
     # client-go's pager default: 10,000 pods are 20 requests, and no single page makes the API
     # server (or us) hold a huge response in memory.
@@ -139,7 +138,7 @@ class Informer:
         self._task: asyncio.Task[None] | None = None
         self._gone_streak = 0
         self._skipped = 0.0  # seconds instant mode did not sleep: the failure window still counts them
-        self._budget = FailureBudget(self.settings.max_failures, self.settings.failure_window,
+        self._budget = FailureBudget(max_failures=self.settings.max_failures, window=self.settings.failure_window,
                                      clock=lambda: time.monotonic() + self._skipped)
         self._rng = random.Random()
 
@@ -170,8 +169,14 @@ class Informer:
         if task is None:
             return
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, InformerFailed):
+        try:
             await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():  # our caller is being cancelled too: pass it on
+                raise
+        except InformerFailed:
+            pass
 
     async def __aenter__(self) -> Informer:
         self.start()

@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TypeVar
 
 import aiohttp
@@ -123,6 +123,7 @@ class RetryPolicy:
     """A named retry policy; ``await policy.call("GET /x", fn)`` runs ``fn`` under it."""
 
     name: str
+    _: KW_ONLY
     attempts: int = 6
     timeout: float = 30.0  # total seconds, waits included, after which no new attempt starts
     backoff: Backoff = field(default_factory=lambda: Backoff(base=0.2, cap=5.0))

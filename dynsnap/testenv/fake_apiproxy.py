@@ -103,16 +103,16 @@ class FakeApiProxy:
     ca_cert: Path  # trusted for the upstream connection
     serving_cert: Path  # presented to clients (SAN 127.0.0.1)
     serving_key: Path
-    faults: list[Fault] = field(default_factory=list)
-    requests: list[Seen] = field(default_factory=list)
-    port: int = 0
-    _server: asyncio.base_events.Server | None = None
-    _refuse: int = 0
-    _open: set[asyncio.StreamWriter] = field(default_factory=set)
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    _releases: list[asyncio.Event] = field(default_factory=list)
-    stalled: int = 0  # requests currently held by a stall
-    _stall_began: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0  # 0: any free port on 127.0.0.1
+    faults: list[Fault] = field(default_factory=list, init=False)
+    requests: list[Seen] = field(default_factory=list, init=False)
+    stalled: int = field(default=0, init=False)  # requests currently held by a stall
+    _server: asyncio.Server | None = field(default=None, init=False)
+    _refuse: int = field(default=0, init=False)
+    _open: set[asyncio.StreamWriter] = field(default_factory=set, init=False)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    _releases: list[asyncio.Event] = field(default_factory=list, init=False)
+    _stall_began: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     @classmethod
     def in_front_of(cls, cp: ControlPlane) -> FakeApiProxy:
