@@ -522,6 +522,25 @@ def report(res: Result, total: int) -> None:
     sys.stdout.flush()
 
 
+def collapsed(failed: Sequence[str]) -> str:
+    """Failed tests with their parametrized cases collapsed: "`test_a` x2, `test_b` (3 failed)"
+    (with a multiplication sign, as the docs write it)."""
+    names: dict[str, int] = {}
+    for f in failed:
+        name = re.sub(r"\[.*", "", short(f.removesuffix(" (error)")))
+        names[name] = names.get(name, 0) + 1
+    parts = [f"`{n}`" + (f" \N{MULTIPLICATION SIGN}{c}" if c > 1 else "") for n, c in names.items()]
+    return ", ".join(parts) + f" ({len(failed)} failed)"
+
+
+def markdown(results: Sequence[Result]) -> str:
+    rows = ["| mutation | id | result |", "| --- | --- | --- |"]
+    for r in results:
+        what = f"red: {collapsed(r.failed)}" if r.outcome == KILLED else r.outcome
+        rows.append(f"| {r.description} | `{r.id}` | {what} |")
+    return "\n".join(rows) + "\n"
+
+
 def select(suite: Suite, picks: Sequence[str]) -> list[tuple[int, Mutation]]:
     allm = list(enumerate(suite.mutations))
     if not picks:
@@ -553,6 +572,7 @@ def main(suite: Suite, argv: Sequence[str] | None = None) -> int:
                     help="run each mutant's tests to the end (no -x) and list every test that went red")
     ap.add_argument("--no-baseline", action="store_true", help="skip the run of the tests on the unmutated source")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--markdown", metavar="PATH", help="also write the results as a Markdown table (the docs' form)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (build and pytest logs)")
     args = ap.parse_args(argv)
     selected = select(suite, args.select)
@@ -609,6 +629,8 @@ def main(suite: Suite, argv: Sequence[str] | None = None) -> int:
     for p in runner.problems:
         print(f"problem: {p}")
     ok = baseline_ok and not runner.problems and len(results) == len(selected) and tally[KILLED] == len(results)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "suite": suite.name, "doc": suite.doc, "command": shlex.join([sys.argv[0], *(argv or sys.argv[1:])]),

@@ -1,130 +1,135 @@
-"""Mutation check of dynsnap-cuda's load-bearing code: break it on purpose, run the stub tests,
-expect red, restore. Not collected by pytest (no test_ prefix); run by hand:
+"""Mutation check of dynsnap-cuda's load-bearing code (docs/NATIVE.md, "Mutation checks"): break
+it on purpose, build it into a private build directory, run the stub tests (`tests/native -k
+cuda`), expect red, restore. Not collected by pytest (no test_ prefix). From the repository root,
+with the dev venv's python:
 
-    python tests/native/mutate_cuda.py [INDEX ...]
+    V=$(ls -td ~/.cache/dynsnap/venv-dev-*/ | head -1)
+    $V/bin/python tests/native/mutate_cuda.py [--list] [--diff] [--all-failures] [INDEX|ID ...]
 
-Each mutation is one textual replacement in native/cuda/*.c; the source is restored afterwards
-even when interrupted. Results: one line per mutation, and the failing tests; docs/NATIVE.md
-records the last run.
+Each mutation is one textual replacement in native/cuda/*.c; tests/mutation/runner.py says how a
+run goes, what each outcome means, and that the source is restored even when interrupted. The
+exit status is non-zero when a mutant survives, does not build, or no longer applies.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-C = ROOT / "native" / "cuda" / "dynsnap-cuda.c"
-G = ROOT / "native" / "cuda" / "gpumap.c"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-M = [
-    (
-        "interleave lock+checkpoint in save",
-        C,
+from tests.mutation.runner import Edit, Suite, main, mutation
+
+C = "native/cuda/dynsnap-cuda.c"
+G = "native/cuda/gpumap.c"
+TESTS = ["tests/native"]
+K = "cuda"
+
+MUTATIONS = (
+    mutation(
+        "save-interleaves-lock-checkpoint", "`save` interleaves lock+checkpoint per pid", C,
         "\t\tfails = run_phase(OP_LOCK, NULL, 0);\n\t\tif (fails) {",
-        "\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], OP_LOCK) == CUDA_SUCCESS) do_op(&jobs[k], OP_CHECKPOINT); }\n\t\tfails = 0;\n\t\tif (fails) {",  # noqa: E501
-    ),
-    ("drop the map count check", G, "\tif (n != nvisible) {", "\tif (0) {"),
-    (
-        "transpose old and new in a pair",
-        G,
-        "resolve_side(old_s, visible, nvisible, &out[n].old_uuid, err, errlen) ||\n\t\t    resolve_side(new_s, visible, nvisible, &out[n].new_uuid, err, errlen)",  # noqa: E501
-        "resolve_side(old_s, visible, nvisible, &out[n].new_uuid, err, errlen) ||\n\t\t    resolve_side(new_s, visible, nvisible, &out[n].old_uuid, err, errlen)",  # noqa: E501
-    ),
-    ("skip the rollback after a failed lock", C, "\t\t\trun_phase(OP_UNLOCK, locked, 0);\n", "\t\t\t(void)locked;\n"),
-    ("do not skip dashes in a UUID", G, "\t\tif (*s == '-')\n\t\t\tcontinue;\n", ""),
-    ("drop the free-memory refusal", C, "free_before[d] >= need[d])", "1)"),
-    (
-        "unlock each pid right after its restore in resume",
-        C,
-        "\t\tfails = run_phase(first, NULL, 0);\n\t\tif (!fails && second != OP_NONE)\n\t\t\tfails = run_phase(second, NULL, 0);",  # noqa: E501
-        "\t\tfails = 0;\n\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], first) != CUDA_SUCCESS) { fails++; continue; } if (second != OP_NONE && do_op(&jobs[k], second) != CUDA_SUCCESS) fails++; }",  # noqa: E501
-    ),
-    (
-        "keep checkpointing after a failed checkpoint (serial)",
-        C,
+        "\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], OP_LOCK) == CUDA_SUCCESS) "
+        "do_op(&jobs[k], OP_CHECKPOINT); }\n\t\tfails = 0;\n\t\tif (fails) {",
+        tests=TESTS, k=K),
+    mutation(
+        "no-map-count-check", "map count check dropped", G,
+        "\tif (n != nvisible) {",
+        "\tif (0) {",
+        tests=TESTS, k=K),
+    mutation(
+        "pair-transposed", "old and new transposed in a pair", G,
+        "resolve_side(old_s, visible, nvisible, &out[n].old_uuid, err, errlen) ||\n"
+        "\t\t    resolve_side(new_s, visible, nvisible, &out[n].new_uuid, err, errlen)",
+        "resolve_side(old_s, visible, nvisible, &out[n].new_uuid, err, errlen) ||\n"
+        "\t\t    resolve_side(new_s, visible, nvisible, &out[n].old_uuid, err, errlen)",
+        tests=TESTS, k=K),
+    mutation(
+        "no-rollback-after-failed-lock", "no rollback after a failed lock", C,
+        "\t\t\trun_phase(OP_UNLOCK, locked, 0);\n",
+        "\t\t\t(void)locked;\n",
+        tests=TESTS, k=K),
+    mutation(
+        "uuid-dashes-not-skipped", "dashes not skipped in UUIDs", G,
+        "\t\tif (*s == '-')\n\t\t\tcontinue;\n\t\tv = hexval(",
+        "\t\tv = hexval(",
+        tests=TESTS, k=K),
+    mutation(
+        "no-free-memory-refusal", "free-memory refusal dropped", C,
+        "free_before[d] >= need[d])",
+        "1)",
+        tests=TESTS, k=K),
+    mutation(
+        "resume-unlocks-per-pid", "`resume` unlocks each pid right after its restore", C,
+        "\t\tfails = run_phase(first, NULL, 0);\n\t\tif (!fails && second != OP_NONE)\n"
+        "\t\t\tfails = run_phase(second, NULL, 0);",
+        "\t\tfails = 0;\n\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], first) != CUDA_SUCCESS) "
+        "{ fails++; continue; } if (second != OP_NONE && do_op(&jobs[k], second) != CUDA_SUCCESS) fails++; }",
+        tests=TESTS, k=K),
+    mutation(
+        "save-continues-after-failed-checkpoint", "`save` keeps checkpointing after a failed checkpoint", C,
         "fails = run_phase(OP_CHECKPOINT, NULL, 1);",
         "fails = run_phase(OP_CHECKPOINT, NULL, 0);",
-    ),
-    (
-        "validate the map after the state change",
-        C,
+        tests=TESTS, k=K),
+    mutation(
+        "map-validated-after-restore", "map validated after the restore instead of before", C,
         "\tif (map) {\n\t\tif (enumerate_devices()) {",
         "\tif (map) {\n\t\trun_phase(OP_RESTORE, NULL, 0);\n\t\tif (enumerate_devices()) {",
-    ),
-    ("drop the lock timeout", C, "a.timeoutMs = opt.timeout_ms;", "a.timeoutMs = 0;"),
-    (
-        "accept a target GPU that is not visible",
-        G,
+        tests=TESTS, k=K),
+    mutation(
+        "no-lock-timeout", "lock timeout not passed to the driver", C,
+        "a.timeoutMs = opt.timeout_ms;",
+        "a.timeoutMs = 0;",
+        tests=TESTS, k=K),
+    mutation(
+        "invisible-target-accepted", "a target GPU that is not visible accepted", G,
         "\t\tif (!is_visible(&out[n].new_uuid, visible, nvisible)) {",
         "\t\tif (0) {",
-    ),
-    (
-        "accept duplicate targets",
-        G,
+        tests=TESTS, k=K),
+    mutation(
+        "duplicate-targets-accepted", "duplicate targets accepted", G,
         "\t\t\tif (!memcmp(out[i].new_uuid.b, out[n].new_uuid.b, GPU_UUID_LEN)) {",
         "\t\t\tif (0) {",
-    ),
-    ("take NVML's total as the free bytes", C, "*free_b = (long long)m.free;", "*free_b = (long long)m.total;"),
-    (
-        "never fall back to the primary context",
-        C,
+        tests=TESTS, k=K),
+    mutation(
+        "nvml-total-as-free", "NVML's total taken as the free bytes", C,
+        "*free_b = (long long)m.free;",
+        "*free_b = (long long)m.total;",
+        tests=TESTS, k=K),
+    mutation(
+        "no-primary-context-fallback", "never fall back to the primary context", C,
         "\t\telse if (cuda_free(d, &free_b[d]) == 0)\n",
         "\t\telse if (0 && cuda_free(d, &free_b[d]) == 0)\n",
-    ),
-]
+        tests=TESTS, k=K),
+    mutation(
+        "refused-restore-reported-ok",
+        "a refused restore reported `\"ok\": true, \"error\": null` in `--json` (the code before the fix)", C,
+        "!j->skipped && !refusal[0] ? \"true\"",
+        "!j->skipped ? \"true\"",
+        more=[Edit(C, "\t\telse if (refusal[0])\n\t\t\tprintf(\"\\\"%s\\\"\", refusal);\n", "")],
+        tests=TESTS, k=K),
+)
 
 
-def main() -> None:
-    only = sys.argv[1:]
-    res = {}
-    for i, (name, path, old, new) in enumerate(M):
-        if only and str(i) not in only:
-            continue
-        src = path.read_text()
-        assert src.count(old) == 1, name
-        with tempfile.TemporaryDirectory() as tmp:
-            backup = Path(tmp) / path.name
-            shutil.copy(path, backup)
-            try:
-                path.write_text(src.replace(old, new))
-                p = subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pytest",
-                        "tests/native",
-                        "-q",
-                        "-k",
-                        "cuda",
-                        "-p",
-                        "no:cacheprovider",
-                        "--timeout",
-                        "60",
-                    ],
-                    cwd=ROOT,
-                    capture_output=True,
-                    text=True,
-                )
-            finally:
-                shutil.copy(backup, path)
-        failed = sorted(
-            {
-                re.sub(r"\[.*", "", line.split("::", 1)[1].split(" ")[0])
-                for line in p.stdout.splitlines()
-                if line.startswith("FAILED")
-            }
-        )
-        summary = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-300:]
-        res[name] = {"summary": summary, "failed": failed}
-        print(f"== {i} {name}: {summary}\n   " + "\n   ".join(failed), flush=True)
-    print(json.dumps(res, indent=1))
+def _cuda_env() -> dict[str, str]:
+    """cuda.h of CUDA 13, found the way the tests find it (cuda_harness.cuda_include)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cuda_harness import cuda_include  # type: ignore[import-not-found]
 
+    return {"DYNSNAP_CUDA_INCLUDE": str(cuda_include())}
+
+
+SUITE = Suite(
+    name="dynsnap-cuda",
+    doc="docs/NATIVE.md",
+    mutations=MUTATIONS,
+    build=("make", "-s", "-C", "native/cuda", "BUILD={build}"),
+    rebuild=("make", "-s", "-C", "native/cuda", "BUILD={root}/native/build"),  # from the restored source
+    env={"DYNSNAP_NATIVE_BIN": "{build}"},  # cuda_harness builds and runs the CLI there
+    pytest_args=("--timeout", "60"),
+    timeout=1200,
+    prepare=_cuda_env,
+)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(SUITE))
