@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutation.runner import EARLY_RESTORE_ENV, ROOT, backup_path, meta_path, restore_file
+from tests.mutation.runner import EARLY_RESTORE_ENV, ROOT, backup_path, meta_path, remove_backup, restore_file
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -35,6 +35,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         else:
             meta = json.loads(meta_path(path).read_text())
             state = restore_file(path, backup_path(path).read_bytes(), meta["mutant_sha256"])
+            if state in ("restored", "unchanged"):
+                # The original is on disk again: no backup to recover from, nothing for the runner to
+                # undo (it is told, so it leaves the file alone even if someone edits it next).
+                with open(spec["report"], "a") as report:
+                    report.write(f"{path}\n")
+                remove_backup(path)
             line = f"mutation-module: {name} imported; {path.relative_to(ROOT)} {state} once collected"
         if say is not None:
             say.write_line(line)

@@ -247,8 +247,11 @@ def recover_backups(paths: Sequence[Path]) -> list[str]:
 
 
 @contextlib.contextmanager
-def mutated(m: Mutation, plans: Mapping[Path, tuple[bytes, bytes]], problems: list[str]) -> Iterator[None]:
-    """Write the mutants (after their backups); restore every file on the way out, whatever happens."""
+def mutated(m: Mutation, plans: Mapping[Path, tuple[bytes, bytes]], problems: list[str],
+            early: Path | None = None) -> Iterator[None]:
+    """Write the mutants (after their backups); restore every file on the way out, whatever happens.
+    Files listed in ``early`` were restored by early_restore.py already and are left alone (someone
+    may have edited them since)."""
     written: list[Path] = []
     try:
         for path, (original, mutant) in plans.items():
@@ -263,7 +266,11 @@ def mutated(m: Mutation, plans: Mapping[Path, tuple[bytes, bytes]], problems: li
         # A second Ctrl-C must not cut the restore short: it is delivered once the files are back.
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         try:
+            done = set(early.read_text().splitlines()) if early and early.exists() else set()
             for path in written:
+                if str(path) in done:
+                    remove_backup(path)
+                    continue
                 original, mutant = plans[path]
                 state = restore_file(path, original, sha256(mutant), [e for e in m.edits if ROOT / e.path == path],
                                      mutant)
@@ -426,13 +433,18 @@ class Runner:
         if modules and mutant:
             argv += ["-p", EARLY_RESTORE_PLUGIN]
             env[EARLY_RESTORE_ENV] = json.dumps({"mutation": mutant.id, "modules": list(modules),
-                                                 "files": sorted({e.path for e in mutant.edits})})
+                                                 "files": sorted({e.path for e in mutant.edits}),
+                                                 "report": str(self.early_report(mutant))})
         if k:
             argv += ["-k", k]
         argv += list(tests)
         log = self.work / f"{tag}.pytest.log"
         rc = run_logged(argv, env, log, self.suite.timeout)
         return rc, log.read_text(errors="replace")
+
+    def early_report(self, m: Mutation) -> Path:
+        """Where early_restore.py lists the files it restored (and whose backups it removed)."""
+        return self.work / f"{m.id}.early-restored"
 
     def classify(self, rc: int | None, out: str) -> tuple[str, str]:
         c = counts(out)
@@ -483,7 +495,7 @@ class Runner:
         rc: int | None = None
         out = ""
         built = True
-        with mutated(m, plans, self.problems):
+        with mutated(m, plans, self.problems, self.early_report(m)):
             built, log = self.build(m.id)
             if not built:
                 res.outcome, res.detail = DID_NOT_BUILD, log

@@ -1,0 +1,93 @@
+"""Mutation check of the test harness and the client (docs/TESTING.md, "Mutation checks"): each
+row of the doc's table as an exact replacement in dynsnap/, then the tests that must go red.
+Not collected by pytest (no test_ prefix). From the repository root, as root, with the
+environment of `./run env` (most rows run integration tests: one local cluster per mutant):
+
+    source <(./run env | sed 's/^/export /')
+    $DYNSNAP_VENV/bin/python tests/mutate_harness.py [--list] [--all-failures] [INDEX|ID ...]
+
+The cluster gets its own bridge and /16 (dsnmut0, 10.216.0.0/16) unless DYNSNAP_TEST_BRIDGE /
+DYNSNAP_TEST_CIDR say otherwise, so a run can go beside a developer's test session; do not run it
+beside tests/integration/test_sandbox.py or test_demo.py. Every mutated module is imported only
+by the pytest process, so the file is restored as soon as pytest has collected
+(tests/mutation/early_restore.py): the tree holds a mutant for seconds, not for the whole run.
+tests/mutation/runner.py says how a run goes and what each outcome means.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.mutation.runner import Suite, main, mutation
+
+KUBELET = "dynsnap/testenv/kubelet.py"
+CLIENT = "dynsnap/k8s/client.py"
+INFORMER = "dynsnap/k8s/informer.py"
+DYNAMO_MODEL = "dynsnap/models/dynamo.py"
+DYNAMO_HARNESS = "dynsnap/testenv/dynamo.py"
+
+UNITS = "tests/unit/test_testenv_units.py::"
+READY_RULE = UNITS + "test_ready_is_containers_ready_and_every_gate"
+INSTANCE_ID = UNITS + "test_instance_id_is_the_generate_endpoint_of_the_dwm"
+ENDPOINTSLICE_GATE = "tests/integration/test_endpointslice_gc.py::test_endpointslice_follows_readiness_gate"
+WATCH_GONE = ("tests/integration/test_apiserver.py::"
+              "test_watch_from_too_old_resource_version_is_gone_and_relist_recovers")
+PINNED = "tests/integration/test_dynamo.py::test_pinned_request_is_answered_by_that_worker"
+LIVENESS = "tests/integration/test_stub_kubelet.py::test_liveness_failures_are_counted_as_restarts[/missing-True]"
+
+MUTATIONS = (
+    mutation(
+        "kubelet-ready-ignores-gates", "stub kubelet computes Ready without the readiness gates", KUBELET,
+        'return containers_ready and all(conds.get(g) == "True" for g in gates)',
+        "return containers_ready",
+        tests=[READY_RULE, ENDPOINTSLICE_GATE], modules=["dynsnap.testenv.kubelet"]),
+    mutation(
+        "watch-ignores-error-events", "`Kube.watch` ignores ERROR events (no `Gone`)", CLIENT,
+        '                if event.get("type") == "ERROR":\n'
+        '                    status = event.get("object", {})\n'
+        '                    raise error_for(',
+        '                if event.get("type") == "ERROR":\n'
+        "                    continue\n"
+        '                    status = event.get("object", {})\n'
+        '                    raise error_for(',
+        tests=[WATCH_GONE], modules=["dynsnap.k8s.client"]),
+    mutation(
+        "informer-keeps-stale-rv",
+        "the informer keeps the stale resourceVersion after 410 (`ListWatch` until the informer rewrite)", INFORMER,
+        "                # before the new watch saw anything is a failure and backs off.\n"
+        "                self.resource_version = None\n",
+        "                # before the new watch saw anything is a failure and backs off.\n",
+        tests=[WATCH_GONE], modules=["dynsnap.k8s.informer"]),
+    mutation(
+        "instance-id-from-event-channels", "worker instance id read from the DWM's event channels", DYNAMO_MODEL,
+        '    found = {int(e["instance_id"]) for e in endpoints.values()\n'
+        '             if isinstance(e, dict) and e.get("type") == "Endpoint" and e.get("endpoint") == "generate"}\n',
+        '    channels = (dwm.get("spec", {}).get("data") or {}).get("event_channels") or {}\n'
+        '    found = {int(e["instance_id"]) for e in channels.values() if isinstance(e, dict)}\n',
+        tests=[INSTANCE_ID], modules=["dynsnap.models.dynamo"]),
+    mutation(
+        "pinned-header-in-hex", "pinned header sent in hex", DYNAMO_HARNESS,
+        "headers[P.HEADER_WORKER_INSTANCE_ID] = str(worker_id)",
+        'headers[P.HEADER_WORKER_INSTANCE_ID] = format(worker_id, "x")',
+        tests=[PINNED], modules=["dynsnap.testenv.dynamo"]),
+    mutation(
+        "kubelet-never-counts-liveness", "stub kubelet never counts liveness failures", KUBELET,
+        "live_failures += 1",
+        "live_failures += 0",
+        tests=[LIVENESS], modules=["dynsnap.testenv.kubelet"]),
+)
+
+SUITE = Suite(
+    name="harness",
+    doc="docs/TESTING.md",
+    mutations=MUTATIONS,
+    default_env={"DYNSNAP_TEST_BRIDGE": "dsnmut0", "DYNSNAP_TEST_CIDR": "10.216.0.0/16",
+                 "DYNSNAP_KEEP_LOGS": "{work}/test-logs"},  # a killed mutant's logs stay out of test-logs/
+    timeout=1800,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(SUITE))
