@@ -546,9 +546,9 @@ def collapsed(failed: Sequence[str]) -> str:
 
 
 def markdown(results: Sequence[Result]) -> str:
-    rows = ["| mutation | id | result |", "| --- | --- | --- |"]
+    rows = ["| mutation | id | tests that went red |", "| --- | --- | --- |"]
     for r in results:
-        what = f"red: {collapsed(r.failed)}" if r.outcome == KILLED else r.outcome
+        what = collapsed(r.failed) if r.outcome == KILLED else f"**{r.outcome}**"
         rows.append(f"| {r.description} | `{r.id}` | {what} |")
     return "\n".join(rows) + "\n"
 
