@@ -62,3 +62,111 @@ class EntrypointState(StrEnum):
     SUSPENDED = "suspended"  # processes alive, GPU state checkpointed; their exit is a crash
     SNAPSHOTTED = "snapshotted"  # the tree was dumped and is gone; the container stays up
     RESTORING = "restoring"  # the agent is restoring the tree in place
+
+# --- WorkerSnapshot (dynsnap.io/v1alpha1; crds/workersnapshots.yaml is generated from
+# dynsnap/models/workersnapshot.py by `dynsnap crd`) ----------------------------------------------
+
+WS_VERSION: Final = "v1alpha1"
+WS_KIND: Final = "WorkerSnapshot"
+WS_PLURAL: Final = "workersnapshots"
+WS_SINGULAR: Final = "workersnapshot"
+WS_SHORT_NAMES: Final = ("wsnap",)
+WS_CATEGORIES: Final = ("dynsnap",)
+
+# Every WorkerSnapshot carries its pod's node here; an agent watches only its own node's.
+LABEL_NODE: Final = "dynsnap.io/node"
+# The agent's field manager: it owns the status fields it writes, the controller owns the rest.
+AGENT_FIELD_MANAGER: Final = "dynsnap-agent"
+AGENT_COMPONENT: Final = "dynsnap-agent"  # Events' reportingController
+
+# The worker container Dynamo's operator creates (its main container is named "main").
+DEFAULT_CONTAINER: Final = "main"
+
+
+class Tier(StrEnum):
+    """How deep a worker sleeps (DESIGN.md section 2)."""
+
+    SUSPEND = "suspend"  # CUDA checkpoint of every GPU process; processes stay in host RAM
+    SNAPSHOT = "snapshot"  # suspend, then CRIU dumps the worker tree to node disk; the pod stays
+
+
+class DesiredState(StrEnum):
+    ACTIVE = "Active"
+    SUSPENDED = "Suspended"
+
+
+class ObservedState(StrEnum):
+    """What the agent last saw the worker doing (status.state)."""
+
+    ACTIVE = "Active"  # running and on the GPU
+    CAPTURING = "Capturing"  # a capture is under way (one step at a time)
+    SUSPENDED = "Suspended"  # asleep: GPU memory freed (tier suspend: processes alive; snapshot: on disk)
+    WAKING = "Waking"  # a wake is under way
+    LOST = "Lost"  # the worker cannot be brought back in place; the pod must start it cold
+    UNKNOWN = "Unknown"  # not (yet) found on this node, or refused (see the Accepted condition)
+
+
+class ConditionType(StrEnum):
+    ACCEPTED = "Accepted"  # the spec names a pod that exists here, with this UID, opted in, under the entrypoint
+    PROGRESSING = "Progressing"  # a capture or wake is under way
+    SUSPENDED = "Suspended"  # True while the worker sleeps
+    DEGRADED = "Degraded"  # the last capture or wake failed; reason says why
+    VERIFIED = "Verified"  # the last wake was proven by pinned requests (written by the controller)
+
+
+class Reason(StrEnum):
+    """Every reason a WorkerSnapshot condition, Event or error record can carry.
+
+    docs/operations.md explains each (what happened, what to do); keep the two in step.
+    """
+
+    # Accepted
+    ACCEPTED = "Accepted"
+    POD_NOT_FOUND = "PodNotFound"
+    POD_UID_MISMATCH = "PodUIDMismatch"
+    WRONG_NODE = "WrongNode"
+    NOT_OPTED_IN = "NotOptedIn"
+    NOT_UNDER_ENTRYPOINT = "NotUnderEntrypoint"
+    ENTRYPOINT_UNREADABLE = "EntrypointUnreadable"
+    # Progressing
+    CAPTURING = "Capturing"
+    WAKING = "Waking"
+    ROLLING_BACK = "RollingBack"
+    IDLE = "Idle"
+    # Suspended
+    SUSPENDED = "Suspended"
+    SNAPSHOTTED = "Snapshotted"
+    ACTIVE = "Active"
+    # Degraded: refusals before any state change
+    WORKER_SERVING = "WorkerServing"
+    UNSAFE_MULTI_GPU = "UnsafeMultiGpu"
+    PID_RESERVATION_MISSING = "PidReservationMissing"
+    SECCOMP_OFF = "SeccompOff"
+    IO_URING_IN_USE = "IoUringInUse"
+    DISK_BUDGET_EXCEEDED = "DiskBudgetExceeded"
+    PIDS_IN_USE = "PidsInUse"
+    NOT_ENOUGH_GPU_MEMORY = "NotEnoughGpuMemory"
+    IMAGE_FORMAT_MISMATCH = "ImageFormatMismatch"
+    IMAGE_MISSING = "ImageMissing"
+    # Degraded: failures mid-way (the worker was rolled back or is restorable)
+    ENTRYPOINT_UNRESPONSIVE = "EntrypointUnresponsive"
+    CHECKPOINT_FAILED = "CheckpointFailed"
+    RESTORE_FAILED = "RestoreFailed"
+    HELPER_TIMEOUT = "HelperTimeout"
+    DUMP_FAILED = "DumpFailed"
+    DISK_FULL = "DiskFull"
+    INCOMPLETE_CAPTURE = "IncompleteCapture"
+    CRIU_RESTORE_FAILED = "CriuRestoreFailed"
+    INTERRUPTED = "Interrupted"
+    WORKER_LOST = "WorkerLost"
+    POD_GONE = "PodGone"
+    RECOVERED = "Recovered"
+    # Verified (controller)
+    VERIFIED = "Verified"
+
+
+# Capture images on a node: <images root>/<namespace>_<pod>_<pod uid>/<capture id>/ (final) and
+# .../.staging-<capture id>/ while being written; MANIFEST_FILE is written last, then the rename.
+IMAGE_FORMAT: Final = 1
+MANIFEST_FILE: Final = "manifest.json"
+STAGING_PREFIX: Final = ".staging-"

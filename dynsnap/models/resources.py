@@ -60,3 +60,4 @@ ROLE_BINDINGS = Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "Rol
 
 DGDS = Resource(protocol.DYNAMO_GROUP, protocol.DGD_VERSION, "dynamographdeployments", "DynamoGraphDeployment")
 DWMS = Resource(protocol.DYNAMO_GROUP, protocol.DWM_VERSION, "dynamoworkermetadatas", "DynamoWorkerMetadata")
+WORKER_SNAPSHOTS = Resource(protocol.DYNSNAP_GROUP, protocol.WS_VERSION, protocol.WS_PLURAL, protocol.WS_KIND)

@@ -1,0 +1,45 @@
+"""Facts about Dynamo (ai-dynamo 1.6.1) objects and answers, as pure functions: the instance
+id a worker publishes in its DynamoWorkerMetadata, the worker ids a frontend answer carries
+(``nvext.worker_id``), and the hex spelling the worker's metrics use. Bottom layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynsnap.models.ids import InstanceId
+
+
+def instance_id_from_dwm(dwm: dict[str, Any]) -> InstanceId:
+    """The instance id of the worker's ``generate`` endpoint in its DWM (Dynamo 1.6.1 layout:
+    ``spec.data.endpoints[<key>] = {"type": "Endpoint", "endpoint": "generate", "instance_id": N}``).
+
+    Event channels carry other ids; only the ``generate`` endpoint's is the one pinning takes.
+    """
+    endpoints = (dwm.get("spec", {}).get("data") or {}).get("endpoints") or {}
+    found = {int(e["instance_id"]) for e in endpoints.values()
+             if isinstance(e, dict) and e.get("type") == "Endpoint" and e.get("endpoint") == "generate"}
+    if len(found) != 1:
+        name = dwm.get("metadata", {}).get("name", "?")
+        raise ValueError(f"DWM {name}: expected one generate endpoint, found {sorted(found)}")
+    return InstanceId(found.pop())
+
+
+def worker_ids_from(data: Any) -> tuple[InstanceId | None, InstanceId | None]:
+    """(decode or aggregated worker id, prefill worker id) from a frontend answer's
+    ``nvext.worker_id`` (present when the request asked ``nvext.extra_fields: ["worker_id"]``)."""
+    if not isinstance(data, dict):
+        return None, None
+    wid = (data.get("nvext") or {}).get("worker_id")
+    if isinstance(wid, dict):
+        decode = wid.get("decode_worker_id", wid.get("worker_id"))
+        prefill = wid.get("prefill_worker_id")
+        return (InstanceId(int(decode)) if decode is not None else None,
+                InstanceId(int(prefill)) if prefill is not None else None)
+    if wid is not None:
+        return InstanceId(int(wid)), None
+    return None, None
+
+
+def metrics_worker_label(instance_id: InstanceId) -> str:
+    """The ``worker_id`` label value of a worker's own metrics: its instance id in hex."""
+    return format(instance_id, "x")

@@ -1,0 +1,101 @@
+"""Running external commands with bounds: every command has a time limit, runs in its own
+session, and is killed with its whole process group when the limit passes or the caller is
+cancelled. Optionally it dies with the calling process (``die_with_parent``), so a helper
+cannot outlive an agent that was killed.
+
+Layer: ``dynsnap.runtime`` (generic machinery; used by the agent and by the test harness).
+
+    CommandError       a command exited non-zero (``returncode``), or ran past its bound
+                       (``returncode`` None, ``timed_out`` True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["CommandError", "CommandResult", "find_tool", "run_command"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class CommandError(RuntimeError):
+    """A command exited non-zero, or ran past its time bound (``returncode`` None)."""
+
+    def __init__(self, argv: Sequence[str], returncode: int | None, stdout: str, stderr: str) -> None:
+        what = "timed out" if returncode is None else f"exited {returncode}"
+        super().__init__(f"{' '.join(argv)} {what}: {stderr.strip()[-2000:] or stdout.strip()[-2000:]}")
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def find_tool(name: str) -> str:
+    """``name`` on PATH, else in the usual system directories; FileNotFoundError names it."""
+    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
+    if path is None:
+        raise FileNotFoundError(f"{name!r} not found on PATH")
+    return path
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+async def run_command(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    check: bool = True,
+    env: Mapping[str, str] | None = None,
+    die_with_parent: bool = False,
+) -> CommandResult:
+    """Run ``argv`` to completion within ``timeout`` seconds.
+
+    The command runs in its own session; on timeout (or cancellation) its whole
+    process group is killed and reaped, then :class:`CommandError` (returncode
+    None) is raised (or the cancellation propagates). ``die_with_parent`` sets
+    ``PR_SET_PDEATHSIG`` to SIGKILL in the child, so it dies if this process dies.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=dict(env) if env is not None else None,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if die_with_parent else None,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except BaseException as e:  # timed out or cancelled: never leave the command running
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(proc.wait(), 5.0)  # reap it
+        if isinstance(e, TimeoutError):
+            raise CommandError(argv, None, "", f"no exit within {timeout} s") from None
+        raise
+    res = CommandResult(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+    if check and res.returncode != 0:
+        raise CommandError(argv, res.returncode, res.stdout, res.stderr)
+    return res

@@ -1,0 +1,205 @@
+"""What ``/proc`` says about processes on this node: which belong to a pod (its UID in
+``/proc/<pid>/cgroup``), their pid in the pod's own namespace (``NSpid``), their children,
+their pid namespace, what they map and hold open, their environment.
+
+Layer: ``dynsnap.runtime`` (generic node facts; the agent builds on them, the test harness
+may too). Every function reads ``/proc`` afresh (nothing cached: pids are reused) and treats
+a process that vanished mid-read as absent. ``proc`` is a parameter so tests can point at a
+copy; it defaults to the node's ``/proc`` (the agent runs with hostPID).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynsnap.models.ids import HostPid, NsPid, PodUID
+
+PROC = Path("/proc")
+
+# kubelet names a pod's cgroup after its UID: cgroupfs driver ".../pod<uid>/<container>",
+# systemd driver ".../kubepods-besteffort-pod<uid with _ for ->.slice/cri-containerd-<id>.scope".
+_POD_CGROUP = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+
+
+@dataclass(frozen=True)
+class ProcStatus:
+    pid: HostPid
+    ppid: HostPid
+    nspid: tuple[int, ...]  # outermost (host) first, the process's own namespace last
+    state: str  # R, S, D, Z, T, ...
+    name: str
+
+    @property
+    def ns_pid(self) -> NsPid:
+        return NsPid(self.nspid[-1])
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+        return None
+    except OSError:
+        return None
+
+
+def pids(proc: Path = PROC) -> Iterator[HostPid]:
+    for entry in os.scandir(proc):
+        if entry.name.isdigit():
+            yield HostPid(int(entry.name))
+
+
+def status(pid: int, proc: Path = PROC) -> ProcStatus | None:
+    text = _read(proc / str(pid) / "status")
+    if text is None:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    try:
+        nspid = tuple(int(x) for x in fields.get("NSpid", str(pid)).split())
+        return ProcStatus(pid=HostPid(pid), ppid=HostPid(int(fields.get("PPid", "0"))), nspid=nspid,
+                          state=fields.get("State", "?")[:1], name=fields.get("Name", ""))
+    except ValueError:
+        return None
+
+
+def pod_uid_of(pid: int, proc: Path = PROC) -> PodUID | None:
+    """The pod UID in the process's cgroup path, normalised to dashes; None outside any pod."""
+    text = _read(proc / str(pid) / "cgroup")
+    if not text:
+        return None
+    m = _POD_CGROUP.search(text)
+    return PodUID(m.group(1).replace("_", "-")) if m else None
+
+
+def cgroup_paths(pid: int, proc: Path = PROC) -> list[str]:
+    text = _read(proc / str(pid) / "cgroup") or ""
+    return [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2]
+
+
+def pod_pids(uid: PodUID, proc: Path = PROC) -> list[HostPid]:
+    """Every process whose cgroup carries the pod's UID (all its containers)."""
+    return sorted(p for p in pids(proc) if pod_uid_of(p, proc) == uid)
+
+
+def pid_ns(pid: int, proc: Path = PROC) -> int | None:
+    """Inode of the process's pid namespace (equal inodes: same namespace)."""
+    try:
+        return os.stat(proc / str(pid) / "ns" / "pid").st_ino
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def exe_name(pid: int, proc: Path = PROC) -> str | None:
+    try:
+        return os.path.basename(os.readlink(proc / str(pid) / "exe")).removesuffix(" (deleted)")
+    except OSError:
+        return None
+
+
+def cmdline(pid: int, proc: Path = PROC) -> list[str]:
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
+
+
+def children(pid: int, proc: Path = PROC) -> list[HostPid]:
+    """Direct children of every thread of ``pid``."""
+    out: list[HostPid] = []
+    try:
+        tids = os.listdir(proc / str(pid) / "task")
+    except OSError:
+        return out
+    for tid in tids:
+        text = _read(proc / str(pid) / "task" / tid / "children")
+        if text:
+            out += [HostPid(int(c)) for c in text.split()]
+    return sorted(set(out))
+
+
+def tree(root: int, proc: Path = PROC, *, limit: int = 100_000) -> list[HostPid]:
+    """``root`` and all its descendants (bounded: a fork bomb does not hang the agent)."""
+    out: list[HostPid] = []
+    todo = [HostPid(root)]
+    seen: set[int] = set()
+    while todo and len(out) < limit:
+        pid = todo.pop()
+        if pid in seen or status(pid, proc) is None:
+            continue
+        seen.add(pid)
+        out.append(pid)
+        todo += children(pid, proc)
+    return sorted(out)
+
+
+def in_pid_ns(ns_inode: int, proc: Path = PROC) -> list[ProcStatus]:
+    """Every process of one pid namespace (by its inode), with its in-namespace pid."""
+    out = []
+    for p in pids(proc):
+        if pid_ns(p, proc) == ns_inode:
+            st = status(p, proc)
+            if st is not None:
+                out.append(st)
+    return out
+
+
+def host_pid_of(ns_pid: int, *, ns_inode: int, proc: Path = PROC) -> HostPid | None:
+    """The host pid of the process that is ``ns_pid`` in the pid namespace ``ns_inode``."""
+    for st in in_pid_ns(ns_inode, proc):
+        if st.ns_pid == ns_pid:
+            return st.pid
+    return None
+
+
+def maps_paths(pid: int, proc: Path = PROC) -> set[str]:
+    """Paths of the files the process maps (libraries, device files)."""
+    text = _read(proc / str(pid) / "maps") or ""
+    out = set()
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            out.add(parts[5].removesuffix(" (deleted)"))
+    return out
+
+
+def fd_targets(pid: int, proc: Path = PROC) -> list[str]:
+    out = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(proc / str(pid) / "fd"):
+            with contextlib.suppress(OSError):
+                out.append(os.readlink(proc / str(pid) / "fd" / fd))
+    return out
+
+
+def environ(pid: int, proc: Path = PROC) -> dict[str, str]:
+    try:
+        raw = (proc / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def rss_bytes(pid: int, proc: Path = PROC) -> int:
+    """Resident memory of the process (what a CRIU dump writes, roughly: anonymous + dirty)."""
+    text = _read(proc / str(pid) / "smaps_rollup") or _read(proc / str(pid) / "status") or ""
+    m = re.search(r"^(?:Rss|VmRSS):\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def root_path(pid: int, path: str, proc: Path = PROC) -> Path:
+    """``path`` inside the process's root filesystem, reached from the node (no mount needed)."""
+    return proc / str(pid) / "root" / path.lstrip("/")

@@ -1,0 +1,86 @@
+"""The work queue: a key is queued once, never processed twice at once, comes back when it was
+added during processing, and backs off per key."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dynsnap.runtime.workqueue import WorkQueue, run_workers
+
+
+async def test_dedupes_waiting_keys() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    for k in ("a", "b", "a", "a"):
+        q.add(k)
+    assert [await q.get(), await q.get()] == ["a", "b"] and q.depth == 0
+
+
+async def test_a_key_added_while_processing_comes_back_after_done_not_before() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    q.add("a")
+    key = await q.get()
+    q.add("a")  # processing: only marked dirty
+    assert q.depth == 0
+    q.done(key)
+    assert q.depth == 1 and await q.get() == "a"
+
+
+async def test_one_key_never_runs_twice_at_once() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    running: set[str] = set()
+    overlaps = 0
+    calls = 0
+
+    async def reconcile(key: str) -> float | None:
+        nonlocal overlaps, calls
+        calls += 1
+        if key in running:
+            overlaps += 1
+        running.add(key)
+        q.add(key)  # an event for the same key arrives meanwhile
+        await asyncio.sleep(0.01)
+        running.discard(key)
+        return None
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=4))
+    q.add("a")
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if calls >= 10:
+            break
+    q.shutdown()
+    await asyncio.wait_for(task, 5)
+    assert calls >= 10 and overlaps == 0
+
+
+async def test_add_after_and_rate_limit_backoff_per_key() -> None:
+    q: WorkQueue[str] = WorkQueue(base_delay=0.01, max_delay=0.04)
+    delays = [q.add_rate_limited("a") for _ in range(5)]
+    assert delays == [0.01, 0.02, 0.04, 0.04, 0.04]
+    assert q.add_rate_limited("b") == 0.01  # per key
+    q.forget("a")
+    assert q.failures("a") == 0
+    for _ in range(1000):  # never an overflow, however long a key keeps failing
+        q.add_rate_limited("c")
+    assert q.add_rate_limited("c") == 0.04
+
+
+async def test_failing_reconcile_is_retried_and_a_returned_delay_requeues() -> None:
+    q: WorkQueue[str] = WorkQueue(base_delay=0.001)
+    seen: list[str] = []
+
+    async def reconcile(key: str) -> float | None:
+        seen.append(key)
+        if len(seen) == 1:
+            raise RuntimeError("first attempt fails")
+        return 0.001 if len(seen) < 4 else None
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
+    q.add("k")
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        if len(seen) >= 4:
+            break
+    q.shutdown()
+    await asyncio.wait_for(task, 5)
+    assert seen == ["k"] * 4 and q.stats.errors == 1
