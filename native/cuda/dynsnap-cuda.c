@@ -631,6 +631,36 @@ static void report_failure(const char *action, const char *what)
 		}
 }
 
+/* --mem-info: free memory of every visible GPU, one JSON object per line, read
+ * the way save and resume read it (NVML first, the primary context as fallback).
+ * The agent records these before and after a capture or a wake. */
+static int print_mem_info(void)
+{
+	long long free_b[MAX_DEVS];
+	signed char src[MAX_DEVS];
+
+	if (load_driver())
+		return EXIT_NODRIVER;
+	if (enumerate_devices()) {
+		diag("cannot enumerate GPUs");
+		return EXIT_FAILED;
+	}
+	sample_free(free_b, src);
+	for (int d = 0; d < ndev; d++) {
+		char u[64];
+
+		gpu_uuid_format(&dev_uuid[d], u, sizeof(u));
+		printf("{\"index\":%d,\"uuid\":\"%s\",\"free\":", d, u);
+		if (free_b[d] >= 0)
+			printf("%lld", free_b[d]);
+		else
+			printf("null");
+		printf(",\"source\":\"%s\"}\n", src[d] == SRC_NVML ? "nvml" : src[d] == SRC_CUDA ? "cuda" : "none");
+	}
+	fflush(stdout);
+	return EXIT_OK;
+}
+
 /* ---- argument parsing ---- */
 
 static int add_pids(const char *list)
@@ -684,6 +714,7 @@ static void usage(FILE *f)
 	fprintf(f,
 		"usage: %s --get-state --pid PIDS\n"
 		"       %s --get-restore-tid --pid PIDS\n"
+		"       %s --mem-info\n"
 		"       %s --action lock|checkpoint|restore|unlock|save|resume --pid PIDS [options]\n"
 		"\n"
 		"  --action ACTION       lock, checkpoint, restore, unlock (the driver calls);\n"
@@ -691,6 +722,7 @@ static void usage(FILE *f)
 		"                        resume = restore every pid, then unlock every pid\n"
 		"  --get-state           print running|locked|checkpointed|failed\n"
 		"  --get-restore-tid     print the restore thread id\n"
+		"  --mem-info            free memory of every visible GPU, one JSON line each\n"
 		"  -p, --pid PIDS        pid or comma list; repeatable; all handled by this process\n"
 		"  -t, --timeout MS      lock timeout in ms (lock: 0 = none; save: default 10000)\n"
 		"  --gpu-map, --device-map OLD=NEW,...\n"
@@ -710,13 +742,14 @@ static void usage(FILE *f)
 		"      3 not enough free GPU memory (nothing touched), 4 no usable libcuda\n"
 		"env:  DYNSNAP_LIBCUDA (driver library path), DYNSNAP_LIBNVML (NVML library\n"
 		"      path, for free GPU memory), DYNSNAP_CUDA_STATE_DIR\n",
-		prog, prog, prog);
+		prog, prog, prog, prog);
 }
 
 int main(int argc, char **argv)
 {
 	const char *action = NULL, *map = NULL;
 	int get_st = 0, get_tid = 0, json = 0, force = 0, timeout_set = 0, fails = 0, skip_mem = 0;
+	int mem_info = 0;
 	long long need_bytes = -1;
 	char err[512];
 	char *base = strdup(argv[0]);
@@ -745,6 +778,8 @@ int main(int argc, char **argv)
 			get_st = 1;
 		} else if (!strcmp(a, "--get-restore-tid")) {
 			get_tid = 1;
+		} else if (!strcmp(a, "--mem-info")) {
+			mem_info = 1;
 		} else if (!strcmp(a, "--pid") || !strcmp(a, "-p")) {
 			NEEDV();
 			if (add_pids(v))
@@ -788,9 +823,16 @@ int main(int argc, char **argv)
 		}
 #undef NEEDV
 	}
-	if (get_st + get_tid + (action != NULL) != 1) {
-		diag("give exactly one of --action, --get-state, --get-restore-tid");
+	if (get_st + get_tid + mem_info + (action != NULL) != 1) {
+		diag("give exactly one of --action, --get-state, --get-restore-tid, --mem-info");
 		return EXIT_USAGE;
+	}
+	if (mem_info) {
+		if (njobs) {
+			diag("--mem-info takes no --pid");
+			return EXIT_USAGE;
+		}
+		return print_mem_info();
 	}
 	if (!njobs) {
 		diag("--pid is required");

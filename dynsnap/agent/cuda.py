@@ -1,0 +1,136 @@
+"""The agent's side of ``dynsnap-cuda`` (docs/NATIVE.md): one helper process for all of a
+worker's GPU pids, machine-readable output, a time bound on every call.
+
+Layer: ``dynsnap.agent``. ``save`` locks every pid before it checkpoints any and rolls the locks
+back itself when a lock fails; a failed checkpoint leaves the locks (the helper's contract), and
+:func:`rollback` brings every pid back to running from whatever state it was left in. The
+driver is whatever ``libcuda.so.1`` the helper loads: the NVIDIA driver on a GPU node, the
+project's ``stub_libcuda`` in the local environment (``DYNSNAP_LIBCUDA`` names it).
+
+    CudaError          the helper failed (exit code, stderr, per-pid records); ``timed_out`` when
+                       it ran past its bound and was killed; ``refused_memory`` on exit 3
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynsnap.models.ids import HostPid
+from dynsnap.runtime.command import CommandError, run_command
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOMEM = 3
+EXIT_NODRIVER = 4
+
+
+class CudaError(RuntimeError):
+    def __init__(self, message: str, *, returncode: int | None, records: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.records = records or []
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    @property
+    def refused_memory(self) -> bool:
+        return self.returncode == EXIT_NOMEM
+
+
+@dataclass(frozen=True)
+class GpuFree:
+    index: int
+    uuid: str
+    free: int | None
+
+
+@dataclass
+class CudaHelper:
+    """How to run ``dynsnap-cuda``: its path, the environment it gets (driver library, state
+    dir), and the bounds. ``marker`` goes into the helper's environment as ``DYNSNAP_OP`` so a
+    restarted agent can find a helper still running for a worker."""
+
+    binary: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    # save: the driver's lock waits for in-flight GPU work; a rank stuck in a collective must fail
+    # the capture within this, not hang it (10 s is dynsnap-cuda's own default for save).
+    lock_timeout_ms: int = 10_000
+    # The whole helper call: a 32 GiB checkpoint took 14.4 s on the H200; 16 GiB restores 3-4 s.
+    timeout: float = 300.0
+
+    def _env(self, marker: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("LD_LIBRARY_PATH", None)
+        env.update(self.env)
+        if marker:
+            env["DYNSNAP_OP"] = marker
+        return env
+
+    async def _run(self, args: Sequence[str], *, marker: str | None, timeout: float | None = None) -> tuple[
+            int, list[dict[str, Any]], str]:
+        argv = [self.binary, *args]
+        try:
+            res = await run_command(argv, timeout=timeout or self.timeout, check=False, env=self._env(marker))
+        except CommandError as e:
+            raise CudaError(f"dynsnap-cuda {' '.join(args)}: no exit within {timeout or self.timeout} s; killed",
+                            returncode=None) from e
+        records = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+        return res.returncode, records, res.stderr.strip()
+
+    async def action(self, action: str, pids: Sequence[HostPid], *, marker: str | None = None,
+                     extra: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """Run ``--action`` for every pid in one helper; the per-pid JSON records on success."""
+        if not pids:
+            return []
+        args = ["--action", action, "--pid", ",".join(str(p) for p in pids), "--json", *extra]
+        if action in ("save", "lock"):
+            args += ["--timeout", str(self.lock_timeout_ms)]
+        rc, records, err = await self._run(args, marker=marker)
+        if rc != 0:
+            raise CudaError(f"dynsnap-cuda {action} exited {rc}: {err or records}", returncode=rc, records=records)
+        return records
+
+    async def states(self, pids: Sequence[HostPid]) -> dict[HostPid, str]:
+        """The driver's checkpoint state of each pid (running, locked, checkpointed, failed), or
+        ``unknown`` where the driver answered with an error (a process without a CUDA context)."""
+        out: dict[HostPid, str] = {}
+        for pid in pids:  # one by one: a pid the driver does not know must not hide the others
+            state, _, _ = await self._run_state(pid)
+            out[pid] = state
+        return out
+
+    async def _run_state(self, pid: HostPid) -> tuple[str, int, str]:
+        argv = [self.binary, "--get-state", "--pid", str(pid)]
+        try:
+            res = await run_command(argv, timeout=30.0, check=False, env=self._env(None))
+        except CommandError as e:
+            raise CudaError(f"dynsnap-cuda --get-state {pid}: no exit within 30 s", returncode=None) from e
+        if res.returncode != 0:
+            return "unknown", res.returncode, res.stderr.strip()
+        return res.stdout.strip() or "unknown", 0, ""
+
+    async def mem_info(self) -> list[GpuFree]:
+        """Free memory of every visible GPU (``--mem-info``); empty when there is no driver."""
+        rc, records, _ = await self._run(["--mem-info"], marker=None, timeout=30.0)
+        if rc != 0:
+            return []
+        return [GpuFree(int(r["index"]), str(r["uuid"]), r.get("free")) for r in records]
+
+    async def rollback(self, pids: Sequence[HostPid], *, marker: str | None = None) -> dict[HostPid, str]:
+        """Bring every pid back to ``running`` from wherever a failed save left it: restore and
+        unlock the checkpointed ones, unlock the locked ones. Returns the states afterwards."""
+        states = await self.states(pids)
+        checkpointed = [p for p, s in states.items() if s == "checkpointed"]
+        locked = [p for p, s in states.items() if s == "locked"]
+        if checkpointed:
+            # No memory check: these pids' memory was freed by this very capture moments ago.
+            await self.action("resume", checkpointed, marker=marker, extra=["--force"])
+        if locked:
+            await self.action("unlock", locked, marker=marker)
+        return await self.states(pids)

@@ -1,0 +1,458 @@
+"""The node agent (``dynsnap agent``): watches its node's WorkerSnapshots and pods and drives each
+worker towards its desired state, one step per reconcile, level-triggered from the stores.
+
+Layer: ``dynsnap.agent``. A reconcile of ``namespace/name``:
+
+1. reads the WorkerSnapshot and its pod from the informers' stores;
+2. refuses (condition ``Accepted=False`` with a reason, nothing touched) a pod that is missing,
+   has another UID than the spec, runs on another node, did not opt in (no ``dynsnap.io/serving``
+   readiness gate), or does not run under dynsnap-entrypoint;
+3. observes the worker on the node (executor), plans one step towards the wanted state, runs it;
+4. writes status (server-side apply under its own field manager): conditions, observed state,
+   the capture or wake record with this step's duration, the last error; emits an Event;
+5. returns when to look again: at once while a capture or wake goes on, after the backoff after
+   a failure (during which the worker is rolled back to active), after the scrape interval while
+   active (idle facts), never while asleep and settled.
+
+A failed capture is never left half-done: the failure counts (``consecutiveFailures``), and
+until the backoff has passed the wanted state is Active, so the next steps roll the worker back.
+On start the agent relists and reconciles everything, so whatever an earlier agent left (staging
+directories, a helper still running, an entrypoint mid-request) is finished or rolled back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
+
+from dynsnap.agent import idle as I
+from dynsnap.agent import worker as W
+from dynsnap.agent.executor import Executor, Observation, StepFailure, StepResult, Subject
+from dynsnap.agent.images import new_capture_id
+from dynsnap.agent.plan import CAPTURE_STEPS, Step
+from dynsnap.agent.settings import AgentSettings
+from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import ApiError
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.ids import PodUID
+from dynsnap.models.protocol import ConditionType as CT
+from dynsnap.models.protocol import DesiredState, ObservedState, Reason, Tier
+from dynsnap.models.workersnapshot import (
+    ErrorRecord,
+    GpuMemory,
+    IdleFacts,
+    ImageRef,
+    OperationRecord,
+    PidRecord,
+    StepTiming,
+    WorkerSnapshot,
+    WorkerSnapshotStatus,
+    set_condition,
+    utcnow,
+)
+from dynsnap.runtime.workqueue import WorkQueue, run_workers
+
+log = logging.getLogger(__name__)
+
+FINAL_STEPS = {Step.SETTLE_SUSPENDED: ObservedState.SUSPENDED, Step.SETTLE_SNAPSHOTTED: ObservedState.SUSPENDED}
+
+
+def pod_serving_gate(pod: Obj) -> str | None:
+    """The pod's dynsnap.io/serving condition status ("True", "False"), None when unset."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == P.CONDITION_SERVING:
+            return str(c.get("status"))
+    return None
+
+
+def opted_in(pod: Obj) -> bool:
+    gates = (pod.get("spec") or {}).get("readinessGates") or []
+    return any(g.get("conditionType") == P.CONDITION_SERVING for g in gates)
+
+
+def container_id(pod: Obj, container: str) -> str | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == container and cs.get("containerID"):
+            return str(cs["containerID"])
+    return None
+
+
+@dataclass
+class Verdict:
+    """Whether a WorkerSnapshot may be acted on; ``reason`` names why not."""
+
+    ok: bool
+    reason: Reason
+    message: str
+
+
+def admit(ws: WorkerSnapshot, pod: Obj | None, *, node: str) -> Verdict:
+    """The checks before the agent touches anything (pure)."""
+    if pod is None:
+        return Verdict(False, Reason.POD_NOT_FOUND, f"pod {ws.metadata.namespace}/{ws.spec.pod_name} does not exist")
+    uid = pod["metadata"].get("uid")
+    if uid != ws.spec.pod_uid:
+        return Verdict(False, Reason.POD_UID_MISMATCH, f"pod {ws.spec.pod_name} has UID {uid}, the spec names "
+                       f"{ws.spec.pod_uid}: another pod (recreated?), never acted on")
+    if (pod.get("spec") or {}).get("nodeName") != node:
+        return Verdict(False, Reason.WRONG_NODE, f"pod runs on {pod.get('spec', {}).get('nodeName')!r}, "
+                       f"this agent serves {node!r}")
+    if not opted_in(pod):
+        return Verdict(False, Reason.NOT_OPTED_IN, f"pod has no readiness gate {P.CONDITION_SERVING}: "
+                       "it did not opt in to dynsnap")
+    return Verdict(True, Reason.ACCEPTED, "")
+
+
+@dataclass
+class NodeAgent:
+    kube: Kube
+    settings: AgentSettings
+    executor: Executor
+    events: Any = None  # dynsnap.k8s.events.EventRecorder (optional: Events are best effort)
+    queue: WorkQueue[str] = field(default_factory=WorkQueue)
+    ws_informer: Any = None
+    pod_informer: Any = None
+    # key -> the object the server returned for our last status write, until the informer shows it
+    _written: dict[str, Obj] = field(default_factory=dict)
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def _ws(self, key: str) -> Obj | None:
+        """The WorkerSnapshot as of the agent's own last write. One step follows another at once, and
+        the informer's store may not have seen the status the previous step wrote yet; reconciling
+        from that older copy would redo a step or drop its record. The watch delivers an object's
+        changes in order, so until the store shows our write, nothing newer than it exists."""
+        ns, name = key.split("/", 1)
+        obj: Obj | None = self.ws_informer.store.get(ns, name)
+        written = self._written.get(key)
+        if obj is None or written is None:
+            return obj
+        if obj["metadata"].get("uid") != written["metadata"].get("uid"):
+            self._written.pop(key, None)  # deleted and recreated: another object
+            return obj
+        return written
+
+    def _caught_up(self, key: str, obj: Obj) -> None:
+        """The informer delivered ``obj``: drop our copy once the store has our write or something newer."""
+        written = self._written.get(key)
+        if written is None:
+            return
+        have, mine = obj["metadata"].get("resourceVersion", ""), written["metadata"].get("resourceVersion", "")
+        # Equal: the event of our own write. Greater: a relist skipped it (resourceVersions are etcd
+        # revisions; where one is not a number, any event is taken as newer, as before this cache).
+        if have == mine or not (have.isdigit() and mine.isdigit()) or int(have) > int(mine):
+            self._written.pop(key, None)
+
+    def _pod(self, ns: str, name: str) -> Obj | None:
+        obj: Obj | None = self.pod_informer.store.get(ns, name)
+        return obj
+
+    def on_ws(self, _type: str, obj: Obj) -> None:
+        key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+        self._caught_up(key, obj)
+        self.queue.add(key)
+
+    def on_pod(self, _type: str, obj: Obj) -> None:
+        # A WorkerSnapshot is named after its pod.
+        key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+        if self.ws_informer.store.get(obj["metadata"]["namespace"], obj["metadata"]["name"]) is not None:
+            self.queue.add(key)
+
+    # -- reconcile ------------------------------------------------------------------------------
+
+    async def reconcile(self, key: str) -> float | None:
+        raw = self._ws(key)
+        if raw is None:
+            return None
+        try:
+            ws = WorkerSnapshot.model_validate(raw)
+        except ValidationError as e:
+            # The API server validates the spec; this only catches a CRD older than this agent.
+            log.warning("%s: spec unreadable: %s", key, e)
+            return None
+        pod = self._pod(ws.metadata.namespace or "", ws.spec.pod_name)
+        verdict = admit(ws, pod, node=self.settings.node_name)
+        if not verdict.ok:
+            await self._write(ws, self._refused(ws, verdict))
+            return None
+        assert pod is not None
+        subject = Subject(namespace=ws.metadata.namespace or "", pod=ws.spec.pod_name, uid=PodUID(ws.spec.pod_uid),
+                          container_id=container_id(pod, ws.spec.container))
+        try:
+            obs = await self.executor.observe(subject)
+        except W.WorkerNotFound as e:
+            await self._write(ws, self._refused(ws, Verdict(False, Reason.POD_NOT_FOUND, str(e)), accepted=None))
+            return 5.0  # the pod's processes may not be up yet
+        except W.NotUnderEntrypoint as e:
+            await self._write(ws, self._refused(ws, Verdict(False, Reason.NOT_UNDER_ENTRYPOINT, str(e))))
+            return None
+        want, backoff_left = self._effective(ws)
+        tier = self._tier(ws, obs)
+        step = self.executor.next_step(obs, want=want, tier=tier)
+        status = ws.status.model_copy(deep=True)
+        status = self._accepted(ws, status)
+        if step == Step.NONE:
+            status = self._settled(ws, status, obs, want)
+            again = await self._idle(ws, status, pod, obs)
+            await self._write(ws, status)
+            if backoff_left is not None:
+                return backoff_left
+            return again
+        wait = self._retry_wait(ws, step)
+        if wait is not None:
+            return wait
+        return await self._do(ws, status, subject, obs, step, tier=tier, want=want, pod=pod)
+
+    def _tier(self, ws: WorkerSnapshot, obs: Observation) -> Tier:
+        # A wake follows the tier of the capture it wakes from, not a tier changed meanwhile.
+        return ws.spec.tier
+
+    def _effective(self, ws: WorkerSnapshot) -> tuple[DesiredState, float | None]:
+        """The wanted state now, and the seconds of failure backoff left. After a failed capture the
+        worker is rolled back to Active and stays so until the backoff has passed."""
+        n = ws.status.consecutive_failures or 0
+        err = ws.status.last_error
+        if ws.spec.desired_state != DesiredState.SUSPENDED or n == 0 or err is None or self._new_intent(ws):
+            return ws.spec.desired_state, None
+        left = (err.at + timedelta(seconds=self._backoff(n)) - utcnow()).total_seconds()
+        if left > 0:
+            return DesiredState.ACTIVE, left
+        return ws.spec.desired_state, None
+
+    async def _gate(self, pod: Obj) -> Any:
+        async def gate(w: W.WorkerProcs) -> str | None:
+            current = self._pod(pod["metadata"]["namespace"], pod["metadata"]["name"]) or pod
+            serving = pod_serving_gate(current)
+            if serving != "False":
+                return (f"the pod's {P.CONDITION_SERVING} condition is {serving or 'unset'}, not False: the "
+                        "controller quiesces a worker before it is captured")
+            ip = (current.get("status") or {}).get("podIP")
+            try:
+                sample = await I.scrape(f"http://{ip}:{self.settings.metrics_port}/metrics")
+            except I.MetricsUnavailable as e:
+                return f"cannot tell the worker has no requests in flight: {e}"
+            if sample.inflight > 0:
+                return f"{sample.inflight} requests in flight"
+            return None
+        return gate
+
+    async def _do(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, subject: Subject, obs: Observation,
+                  step: Step, *, tier: Tier, want: DesiredState, pod: Obj) -> float | None:
+        capture_id = status.last_capture.id if status.last_capture and status.last_capture.finished is None else None
+        if step == Step.QUIESCE and obs.worker.state == P.EntrypointState.ACTIVE:
+            capture_id = new_capture_id()
+            status.last_capture = OperationRecord(id=capture_id, tier=tier, started=utcnow())
+            status.image = None
+        elif step == Step.WAKE:
+            status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+        if step in (Step.WAIT_HELPER,):
+            status.state = obs.state
+        try:
+            result = await self.executor.run_step(subject, obs, step, tier=tier, gate=await self._gate(pod),
+                                                  capture_id=capture_id)
+        except StepFailure as f:
+            return await self._failed(ws, status, step, f)
+        except Exception as e:  # a bug or an unexpected OS error: reported, never swallowed
+            log.exception("%s: step %s", ws.key, step)
+            return await self._failed(ws, status, step, StepFailure(Reason.INTERRUPTED, f"{type(e).__name__}: {e}"))
+        self._record(status, step, result)
+        if step in FINAL_STEPS or step == Step.SETTLE_ACTIVE:
+            status.consecutive_failures = 0
+            status.last_error = None
+            status.conditions = set_condition(status.conditions, CT.DEGRADED, False, Reason.RECOVERED, "",
+                                              generation=ws.metadata.generation)
+            await self._event(ws, "Normal", Reason.SUSPENDED if step in FINAL_STEPS else Reason.ACTIVE,
+                              self._done_note(status, step))
+        elif step in (Step.QUIESCE, Step.WAKE):
+            await self._event(ws, "Normal", Reason.CAPTURING if step == Step.QUIESCE else Reason.WAKING,
+                              f"{step.value} ({tier.value})")
+        after = await self._reobserve(subject)
+        status.state = after.state if after is not None else status.state
+        status = self._progressing(ws, status, step)
+        await self._write(ws, status)
+        return 0.0 if step != Step.WAIT_HELPER else 1.0
+
+    def _done_note(self, status: WorkerSnapshotStatus, step: Step) -> str:
+        rec = status.last_capture if step in FINAL_STEPS else status.last_wake
+        if rec is None:
+            return step.value
+        total = sum(s.seconds for s in rec.steps)
+        steps = ", ".join(f"{s.name} {s.seconds:.2f}s" for s in rec.steps)
+        return f"{'captured' if step in FINAL_STEPS else 'woken'} in {total:.2f}s ({steps})"
+
+    async def _reobserve(self, subject: Subject) -> Observation | None:
+        try:
+            return await self.executor.observe(subject)
+        except (W.WorkerNotFound, W.NotUnderEntrypoint):
+            return None
+
+    def _record(self, status: WorkerSnapshotStatus, step: Step, result: StepResult) -> None:
+        rec = status.last_wake if (status.last_wake and status.last_wake.finished is None) else None
+        if rec is None and status.last_capture and status.last_capture.finished is None:
+            rec = status.last_capture
+        if rec is None:
+            return
+        rec.steps.append(StepTiming(name=step.value, seconds=round(result.seconds, 4)))
+        info = result.info
+        if "pids" in info:
+            rec.pids = [PidRecord(host=p["host"], ns=p["ns"], gpu=p["gpu"]) for p in info["pids"]]
+        if "gpus" in info:
+            rec.gpus = [GpuMemory(uuid=g["uuid"], free_before=g.get("freeBefore"), free_after=g.get("freeAfter"))
+                        for g in info["gpus"]]
+        if "imageBytes" in info:
+            rec.image_bytes = int(info["imageBytes"])
+        if "image" in info:
+            rec.image = ImageRef(**info["image"])
+            status.image = rec.image
+        if step in FINAL_STEPS or step == Step.SETTLE_ACTIVE:
+            rec.finished = utcnow()
+            rec.ok = True
+        if step == Step.CLEANUP:
+            status.image = None
+
+    async def _failed(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, step: Step, f: StepFailure
+                      ) -> float | None:
+        now = utcnow()
+        err = ErrorRecord(reason=f.reason, message=f.message[:4000], step=step.value, at=now,
+                          generation=ws.metadata.generation)
+        status.last_error = err
+        status.consecutive_failures = (status.consecutive_failures or 0) + 1
+        for rec in (status.last_capture, status.last_wake):
+            if rec is not None and rec.finished is None:
+                rec.steps.append(StepTiming(name=step.value, seconds=0.0))
+                rec.error = err
+                if step in CAPTURE_STEPS or f.changed is False:
+                    rec.finished = now
+                    rec.ok = False
+        status.conditions = set_condition(status.conditions, CT.DEGRADED, True, f.reason, f.message,
+                                          generation=ws.metadata.generation)
+        await self._event(ws, "Warning", f.reason, f"{step.value}: {f.message}")
+        await self._write(ws, status)
+        return 0.0 if f.changed else self._backoff(status.consecutive_failures)
+
+    @staticmethod
+    def _new_intent(ws: WorkerSnapshot) -> bool:
+        """The spec changed since the last failure: a new request is tried at once, not after a backoff."""
+        err = ws.status.last_error
+        return err is not None and err.generation is not None and err.generation != ws.metadata.generation
+
+    def _backoff(self, failures: int | None) -> float:
+        n = min(max(failures or 1, 1), 30)
+        return min(self.settings.failure_backoff * 2.0 ** (n - 1), self.settings.failure_backoff_max)
+
+    def _retry_wait(self, ws: WorkerSnapshot, step: Step) -> float | None:
+        """Seconds before ``step`` may run again after it failed last (None: go ahead). Our own status
+        writes wake the reconcile at once; the backoff is kept here, not by the queue's timing."""
+        err = ws.status.last_error
+        if err is None or err.step != step.value or not ws.status.consecutive_failures or self._new_intent(ws):
+            return None
+        left = (err.at + timedelta(seconds=self._backoff(ws.status.consecutive_failures)) - utcnow()).total_seconds()
+        return left if left > 0 else None
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def _accepted(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus) -> WorkerSnapshotStatus:
+        status.observed_generation = ws.metadata.generation
+        status.conditions = set_condition(status.conditions, CT.ACCEPTED, True, Reason.ACCEPTED,
+                                          "the pod runs here under dynsnap-entrypoint",
+                                          generation=ws.metadata.generation)
+        return status
+
+    def _refused(self, ws: WorkerSnapshot, v: Verdict, *, accepted: bool | None = False) -> WorkerSnapshotStatus:
+        status = ws.status.model_copy(deep=True)
+        status.observed_generation = ws.metadata.generation
+        status.state = ObservedState.UNKNOWN
+        status.conditions = set_condition(status.conditions, CT.ACCEPTED, accepted, v.reason, v.message,
+                                          generation=ws.metadata.generation)
+        return status
+
+    def _settled(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, obs: Observation, want: DesiredState
+                 ) -> WorkerSnapshotStatus:
+        status.state = obs.state
+        asleep = obs.state == ObservedState.SUSPENDED
+        reason = (Reason.SNAPSHOTTED if obs.worker.state == P.EntrypointState.SNAPSHOTTED else Reason.SUSPENDED
+                  ) if asleep else Reason.ACTIVE
+        status.conditions = set_condition(status.conditions, CT.SUSPENDED, asleep, reason,
+                                          "asleep: GPU memory freed" if asleep else "serving",
+                                          generation=ws.metadata.generation)
+        status.conditions = set_condition(status.conditions, CT.PROGRESSING, False, Reason.IDLE, "",
+                                          generation=ws.metadata.generation)
+        return status
+
+    def _progressing(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, step: Step) -> WorkerSnapshotStatus:
+        reason = Reason.CAPTURING if step in CAPTURE_STEPS else Reason.WAKING
+        if step in (Step.GPU_ROLLBACK, Step.GIVE_UP):
+            reason = Reason.ROLLING_BACK
+        status.conditions = set_condition(status.conditions, CT.PROGRESSING, True, reason, f"last step: {step.value}",
+                                          generation=ws.metadata.generation)
+        asleep = status.state == ObservedState.SUSPENDED
+        status.conditions = set_condition(status.conditions, CT.SUSPENDED, asleep,
+                                          Reason.SUSPENDED if asleep else Reason.ACTIVE, "",
+                                          generation=ws.metadata.generation)
+        return status
+
+    async def _idle(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, pod: Obj, obs: Observation
+                    ) -> float | None:
+        if obs.state != ObservedState.ACTIVE:
+            return None
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            return self.settings.scrape_interval
+        try:
+            sample = await I.scrape(f"http://{ip}:{self.settings.metrics_port}/metrics")
+        except I.MetricsUnavailable as e:
+            log.debug("%s: %s", ws.key, e)
+            return self.settings.scrape_interval
+        facts = I.advance(status.idle, sample, now=utcnow(), granularity=self.settings.activity_granularity)
+        if facts is not None:
+            status.idle = facts
+        return self.settings.scrape_interval
+
+    async def _write(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus) -> None:
+        if status == ws.status:
+            return  # nothing changed: no write (a quiet fleet costs the API server nothing)
+        body = {"metadata": {"name": ws.metadata.name, "namespace": ws.metadata.namespace},
+                "status": status.wire()}
+        try:
+            written = await self.kube.apply(R.WORKER_SNAPSHOTS, body, subresource="status",
+                                            field_manager=P.AGENT_FIELD_MANAGER, force=True)
+        except ApiError as e:
+            if e.status == 404:
+                return  # deleted meanwhile (its pod went): nothing left to report on
+            raise
+        self._written[ws.key] = written
+
+    async def _event(self, ws: WorkerSnapshot, kind: str, reason: Reason, note: str) -> None:
+        if self.events is None:
+            return
+        with contextlib.suppress(Exception):
+            await self.events.emit(ws_ref(ws), type=kind, reason=reason.value, note=note[:1024],
+                                   action=reason.value)
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def gc_images(self) -> list[str]:
+        """Delete the images of pods that no longer exist on this node."""
+        live = {PodUID(p["metadata"]["uid"]) for p in self.pod_informer.store.list()}
+        return [str(p) for p in self.executor.images.gc(live)]
+
+    async def run(self) -> None:
+        await run_workers(self.queue, self.reconcile, workers=self.settings.workers, name="agent")
+
+
+def ws_ref(ws: WorkerSnapshot) -> Obj:
+    return {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND, "name": ws.metadata.name,
+            "namespace": ws.metadata.namespace, "uid": ws.metadata.uid}
+
+
+def idle_for(facts: IdleFacts | None, now: datetime | None = None) -> float | None:
+    if facts is None or facts.idle_since is None:
+        return None
+    return ((now or datetime.now(UTC)) - facts.idle_since).total_seconds()
+

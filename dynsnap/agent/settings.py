@@ -1,0 +1,104 @@
+"""The node agent's settings: every default with the reason it is that value.
+
+Layer: ``dynsnap.agent``. ``dynsnap agent`` builds one from its flags (each field is a flag,
+``--images-root`` for ``images_root``) and from ``DYNSNAP_AGENT_<FIELD>`` environment variables
+(flags win). The configuration reference in the docs is generated from these descriptions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_PREFIX = "DYNSNAP_AGENT_"
+
+
+class AgentSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node_name: Annotated[str, Field(description=(
+        "The node this agent serves; it watches only WorkerSnapshots labelled dynsnap.io/node=<this> and "
+        "the pods bound here. From the downward API (spec.nodeName) in the DaemonSet."))] = ""
+    images_root: Annotated[Path, Field(description=(
+        "Node directory for capture images (mode 0700: images hold the worker's environment, its secrets). "
+        "Node-local disk: a restore reads it at disk speed."))] = Path("/var/lib/dynsnap/images")
+    images_budget_bytes: Annotated[int, Field(ge=0, description=(
+        "Most bytes the images of this node may use; a capture whose estimate would pass it is refused before it "
+        "starts. 200 GiB: two 80 GiB-GPU workers fully captured, with room."))] = 200 * 2**30
+    state_dir: Annotated[Path, Field(description=(
+        "dynsnap-cuda's record of what each checkpoint freed (DYNSNAP_CUDA_STATE_DIR), for the free-memory "
+        "check before a restore. tmpfs is right: it only matters while the node is up."))] = Path("/run/dynsnap-cuda")
+    cuda_helper: Annotated[str, Field(description=(
+        "The dynsnap-cuda binary (also CRIU's cuda-checkpoint)."))] = "dynsnap-cuda"
+    criu: Annotated[str, Field(description=(
+        "The CRIU binary, 4.2.1 or later (4.1.1 cannot dump TCP/UDP sockets on kernels >= 6.16). It runs inside "
+        "the worker's mount namespace, so the path must resolve there."))] = "criu"
+    criu_libdir: Annotated[str, Field(description=(
+        "CRIU's plugin directory (--libdir), when not the one compiled into the binary."))] = ""
+    criu_cuda_plugin: Annotated[bool, Field(description=(
+        "Let CRIU's CUDA plugin run (cuda-checkpoint, i.e. dynsnap-cuda, on CRIU's PATH). Off: the agent saves "
+        "every GPU process (every lock before any checkpoint, one helper for all) before the dump and resumes "
+        "them after the restore, which the plugin, one pid per exec, cannot do; it would find them checkpointed "
+        "and skip them anyway."))] = False
+    criu_timeout: Annotated[float, Field(gt=0, description=(
+        "Bound on one CRIU dump or restore, seconds. A 16 GiB worker dumped in 23.8 s and restored in 17.7 s on "
+        "the H200 (docs/BENCHMARKS.md); ten times that before CRIU is called wedged and killed."))] = 300.0
+    helper_timeout: Annotated[float, Field(gt=0, description=(
+        "Bound on one dynsnap-cuda call, seconds. A 32 GiB checkpoint took 14.4 s on the H200."))] = 300.0
+    lock_timeout_ms: Annotated[int, Field(gt=0, description=(
+        "How long a save waits for each GPU process's lock (in-flight GPU work drains first). A rank stuck in a "
+        "collective must fail the capture within this, not hang it: 10 s, dynsnap-cuda's own default."))] = 10_000
+    entrypoint_timeout: Annotated[float, Field(gt=0, description=(
+        "Bound on the entrypoint acknowledging a state request; it looks every 100 ms."))] = 10.0
+    tcp_established: Annotated[bool, Field(description=(
+        "Dump and restore live TCP connections (the worker's request plane and its API-server watch). In place, "
+        "the pod IP is unchanged, so they come back as they were."))] = True
+    network_lock: Annotated[str, Field(description=(
+        "CRIU's network lock while dumping: nftables needs no iptables binary on the node."))] = "nftables"
+    metrics_port: Annotated[int, Field(gt=0, lt=65536, description=(
+        "The worker's Dynamo system port, where the agent scrapes in-flight and request counters."))] = 9090
+    scrape_interval: Annotated[float, Field(gt=0, description=(
+        "Seconds between scrapes of an active worker's metrics. Idle is measured in minutes; 10 s is fine-grained "
+        "enough and costs one local HTTP request per worker."))] = 10.0
+    activity_granularity: Annotated[float, Field(ge=0, description=(
+        "A busy worker's lastActivity is rewritten at most this often (seconds): a status write per request would "
+        "load the API server for nothing."))] = 30.0
+    failure_backoff: Annotated[float, Field(gt=0, description=(
+        "First wait after a failed capture or wake before trying again, seconds; doubles per consecutive failure."
+    ))] = 10.0
+    failure_backoff_max: Annotated[float, Field(gt=0, description=(
+        "Longest wait between attempts, seconds."))] = 600.0
+    workers: Annotated[int, Field(ge=1, description=(
+        "Reconciles run at once. Captures of different workers overlap on a node with several GPUs; the same "
+        "worker is never handled twice at once."))] = 4
+    health_port: Annotated[int, Field(ge=0, lt=65536, description=(
+        "Port of /healthz, /readyz and /metrics (0: none)."))] = 8090
+    cuda_env: Annotated[dict[str, str], Field(description=(
+        "Extra environment for dynsnap-cuda (the local environment points DYNSNAP_LIBCUDA at its stub)."))] = {}
+
+    @classmethod
+    def from_env(cls, overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None
+                 ) -> AgentSettings:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None and name != "cuda_env":
+                values[name] = raw
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.model_validate(values)
+
+
+def reference_table() -> str:
+    """The agent's settings as a Markdown table (README's configuration reference is this text;
+    tests/unit/test_agent_settings.py fails when they differ)."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for name, f in AgentSettings.model_fields.items():
+        default = f.default
+        shown = "(none)" if default in ("", {}) else str(default)
+        flag = "--" + name.replace("_", "-")
+        rows.append(f"| `{flag}` | `{ENV_PREFIX}{name.upper()}` | `{shown}` | {f.description} |")
+    return "\n".join(rows) + "\n"

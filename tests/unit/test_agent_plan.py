@@ -1,0 +1,91 @@
+"""The agent's step planner, by table: from what the node shows, the one next step (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynsnap.agent.plan import Facts, Staging, Step, observed, plan
+from dynsnap.models.protocol import DesiredState, EntrypointState, ObservedState, Tier
+
+E = EntrypointState
+SUSP, ACT = DesiredState.SUSPENDED, DesiredState.ACTIVE
+SNAP, TIER1 = Tier.SNAPSHOT, Tier.SUSPEND
+DONE = Staging(complete=True, rejected=False)
+HALF = Staging(complete=False, rejected=False)
+REJECTED = Staging(complete=True, rejected=True)
+
+ROWS = [
+    # (entrypoint, alive, gpu states, extra facts, want, tier) -> step
+    # capture, tier suspend
+    ((E.ACTIVE, True, ("running",), {}, SUSP, TIER1), Step.QUIESCE),
+    ((E.SUSPENDING, True, ("running", "running"), {}, SUSP, TIER1), Step.SAVE),
+    ((E.SUSPENDING, True, ("checkpointed", "checkpointed"), {}, SUSP, TIER1), Step.SETTLE_SUSPENDED),
+    ((E.SUSPENDED, True, ("checkpointed",), {}, SUSP, TIER1), Step.NONE),
+    # capture, tier snapshot
+    ((E.SUSPENDING, True, ("checkpointed",), {}, SUSP, SNAP), Step.DUMP),
+    ((E.SUSPENDING, True, (), {}, SUSP, SNAP), Step.DUMP),  # no GPU process: straight to the dump
+    ((E.SUSPENDING, False, (), {"staging": DONE}, SUSP, SNAP), Step.SEAL),
+    ((E.SUSPENDING, False, (), {"capture": True}, SUSP, SNAP), Step.SETTLE_SNAPSHOTTED),
+    ((E.SNAPSHOTTED, False, (), {"capture": True}, SUSP, SNAP), Step.NONE),
+    ((E.SUSPENDED, True, ("checkpointed",), {}, SUSP, SNAP), Step.QUIESCE),  # deepen suspend -> snapshot
+    # an interrupted save (agent killed, helper killed) is rolled back, whatever is wanted
+    ((E.SUSPENDING, True, ("locked", "running"), {}, SUSP, TIER1), Step.GPU_ROLLBACK),
+    ((E.SUSPENDING, True, ("checkpointed", "locked"), {}, SUSP, SNAP), Step.GPU_ROLLBACK),
+    ((E.ACTIVE, True, ("locked",), {}, SUSP, TIER1), Step.GPU_ROLLBACK),
+    ((E.ACTIVE, True, ("locked",), {}, ACT, TIER1), Step.GPU_ROLLBACK),
+    # a helper still running (started by an agent that died) is waited for first
+    ((E.SUSPENDING, True, ("locked",), {"helper_running": True}, SUSP, TIER1), Step.WAIT_HELPER),
+    # the dump guard refused a capture: the tree comes back from what was dumped
+    ((E.SUSPENDING, False, (), {"staging": REJECTED}, SUSP, SNAP), Step.WAKE),
+    ((E.SUSPENDING, False, (), {"staging": REJECTED}, ACT, SNAP), Step.WAKE),
+    ((E.RESTORING, False, (), {"staging": REJECTED}, SUSP, SNAP), Step.RESTORE),
+    # the tree died with no usable capture: given up, loudly (cold start)
+    ((E.SUSPENDING, False, (), {"staging": HALF}, SUSP, SNAP), Step.GIVE_UP),
+    ((E.SUSPENDING, False, (), {}, ACT, SNAP), Step.GIVE_UP),
+    ((E.SNAPSHOTTED, False, (), {}, ACT, SNAP), Step.GIVE_UP),
+    ((E.RESTORING, False, (), {}, ACT, SNAP), Step.GIVE_UP),
+    # wake
+    ((E.SUSPENDED, True, ("checkpointed",), {}, ACT, TIER1), Step.WAKE),
+    ((E.SNAPSHOTTED, False, (), {"capture": True}, ACT, SNAP), Step.WAKE),
+    ((E.RESTORING, False, (), {"capture": True}, ACT, SNAP), Step.RESTORE),
+    ((E.RESTORING, True, ("checkpointed",), {"capture": True}, ACT, SNAP), Step.RESUME),
+    ((E.RESTORING, True, ("locked",), {}, ACT, TIER1), Step.UNLOCK),
+    ((E.RESTORING, True, ("running",), {}, ACT, TIER1), Step.SETTLE_ACTIVE),
+    # a wake under way finishes even when the wish flipped back to Suspended
+    ((E.RESTORING, True, ("checkpointed",), {}, SUSP, TIER1), Step.RESUME),
+    # the capture is given up mid-way when Active is wanted again (worker alive: roll back)
+    ((E.SUSPENDING, True, ("running",), {}, ACT, SNAP), Step.SETTLE_ACTIVE),
+    ((E.SUSPENDING, True, ("checkpointed",), {}, ACT, SNAP), Step.GPU_ROLLBACK),
+    # a sealed capture whose settle was interrupted, now wanted awake: wake from it
+    ((E.SUSPENDING, False, (), {"capture": True}, ACT, SNAP), Step.WAKE),
+    # awake and settled; images left from before are deleted (they hold the worker's secrets)
+    ((E.ACTIVE, True, ("running",), {}, ACT, SNAP), Step.NONE),
+    ((E.ACTIVE, True, ("running",), {"leftovers": True}, ACT, SNAP), Step.CLEANUP),
+    ((E.ACTIVE, True, ("running",), {"leftovers": True}, SUSP, SNAP), Step.CLEANUP),
+]
+
+
+@pytest.mark.parametrize(("row", "expected"), ROWS, ids=[f"{r[0].value}-{r[4].value}-{e.value}-{i}"
+                                                          for i, (r, e) in enumerate(ROWS)])
+def test_plan(row: tuple, expected: Step) -> None:  # type: ignore[type-arg]
+    ep, alive, gpu, extra, want, tier = row
+    assert plan(Facts(ep_state=ep, worker_alive=alive, gpu_states=gpu, **extra), want=want, tier=tier) == expected
+
+
+@pytest.mark.parametrize(("facts", "state"), [
+    (Facts(ep_state=E.ACTIVE, worker_alive=True), ObservedState.ACTIVE),
+    (Facts(ep_state=E.SUSPENDING, worker_alive=True), ObservedState.CAPTURING),
+    (Facts(ep_state=E.SUSPENDED, worker_alive=True), ObservedState.SUSPENDED),
+    (Facts(ep_state=E.SNAPSHOTTED, worker_alive=False, capture=True), ObservedState.SUSPENDED),
+    (Facts(ep_state=E.SNAPSHOTTED, worker_alive=False), ObservedState.LOST),
+    (Facts(ep_state=E.RESTORING, worker_alive=False, capture=True), ObservedState.WAKING),
+    (Facts(ep_state=E.RESTORING, worker_alive=False), ObservedState.LOST),
+])
+def test_observed_state(facts: Facts, state: ObservedState) -> None:
+    assert observed(facts) == state
+
+
+def test_every_step_is_planned_by_some_row() -> None:
+    """The table covers every step the executor can be asked for (a step no row reaches is dead code)."""
+    reached = {expected for _, expected in ROWS}
+    assert reached == set(Step)
