@@ -85,6 +85,12 @@ def resolve_env(pod: Obj, container: Obj) -> dict[str, str]:
     return env
 
 
+def empty_dir_mounts(pod: Obj, container: Obj) -> list[str]:
+    """Mount paths of the container's emptyDir volumes (each gets its own tmpfs in the sandbox)."""
+    empty = {v["name"] for v in pod["spec"].get("volumes") or [] if "emptyDir" in v}
+    return [m["mountPath"] for m in container.get("volumeMounts") or [] if m.get("name") in empty]
+
+
 @dataclass
 class RunningPod:
     """A pod the harness really runs: the API object's identity plus its sandbox and prober."""
@@ -215,6 +221,7 @@ class LocalCluster:
         sandbox = await PodSandbox.start(
             net=self.net, name=name, namespace=ns, uid=live["metadata"]["uid"], pod_ip=live["status"]["podIP"],
             command=command, env=env, workdir=self.workdir / "pods" / f"{ns}_{name}",
+            mounts=empty_dir_mounts(live, container),
         )
         kubelet = StubKubelet(self.api, ns, name, live["status"]["podIP"])
         kubelet.start()

@@ -16,6 +16,7 @@ import httpx
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm, worker_ids_from
 from dynsnap.testenv import stub_operator
 from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster, RunningPod, wait_for
 
@@ -62,18 +63,29 @@ def entrypoint_probes(probe_port: int = P.ENTRYPOINT_PROBE_PORT) -> Obj:
 
 
 def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | None = None,
-                     control_dir: str | None = None, extra_pod_spec: Obj | None = None) -> Obj:
-    """Mocker workers; with ``control_dir`` each runs under dynsnap-entrypoint (probes on its port)."""
+                     control_dir: str | None = None, extra_pod_spec: Obj | None = None,
+                     dynsnap: bool = False, env: dict[str, str] | None = None) -> Obj:
+    """Mocker workers. With ``control_dir`` each runs under dynsnap-entrypoint (probes on its port)
+    with that host directory as its control directory. With ``dynsnap`` they are wired for dynsnap as
+    examples/dgd/ does it: the entrypoint with its control directory on an emptyDir at /run/dynsnap
+    (each pod its own), probes on the entrypoint, the dynsnap.io/serving readiness gate."""
     command = [dynamo_python(), "-m", "dynamo.mocker"]
     main: Obj = {}
+    extra = dict(extra_pod_spec or {})
+    if dynsnap:
+        control_dir = P.ENTRYPOINT_CONTROL_DIR
+        extra.setdefault("readinessGates", []).append({"conditionType": P.CONDITION_SERVING})
+        extra.setdefault("volumes", []).append({"name": "dynsnap-control", "emptyDir": {}})
+        main["volumeMounts"] = [{"name": "dynsnap-control", "mountPath": P.ENTRYPOINT_CONTROL_DIR}]
     if control_dir is not None:
         command = [entrypoint_binary(), "--control-dir", control_dir, "--", *command]
-        main = entrypoint_probes()
+        main.update(entrypoint_probes())
+    if env:
+        main["env"] = [{"name": k, "value": v} for k, v in env.items()]
     args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--disaggregation-mode", mode,
             "--speedup-ratio", "100"]
     comp: Obj = {"name": name, "componentType": "worker", "replicas": replicas,
-                 "extraPodSpec": {**(extra_pod_spec or {}),
-                                  "mainContainer": {"command": command, "args": args, **main}}}
+                 "extraPodSpec": {**extra, "mainContainer": {"command": command, "args": args, **main}}}
     if sub:
         comp["subComponentType"] = sub
     return comp
@@ -187,32 +199,7 @@ class FrontendClient:
         return ChatResult(r.status_code, wid, pid, text, data)
 
 
-def worker_ids_from(data: Any) -> tuple[int | None, int | None]:
-    """(decode/aggregated worker id, prefill worker id) from a response's ``nvext.worker_id``."""
-    if not isinstance(data, dict):
-        return None, None
-    wid = (data.get("nvext") or {}).get("worker_id")
-    if isinstance(wid, dict):
-        decode = wid.get("decode_worker_id", wid.get("worker_id"))
-        prefill = wid.get("prefill_worker_id")
-        return (int(decode) if decode is not None else None, int(prefill) if prefill is not None else None)
-    if wid is not None:
-        return int(wid), None
-    return None, None
-
-
 async def instance_id(cluster: LocalCluster, pod: RunningPod) -> int:
     """The worker's discovery instance id (decimal), as its DWM publishes it."""
     dwm = await wait_for(f"DWM of {pod.name}", lambda: dwm_of(cluster, pod), timeout=60)
     return instance_id_from_dwm(dwm)
-
-
-def instance_id_from_dwm(dwm: Obj) -> int:
-    """The instance id of the worker's ``generate`` endpoint in its DWM (Dynamo 1.6.1 layout:
-    ``spec.data.endpoints[<key>] = {"type": "Endpoint", "endpoint": "generate", "instance_id": N}``)."""
-    endpoints = (dwm.get("spec", {}).get("data") or {}).get("endpoints") or {}
-    found = {int(e["instance_id"]) for e in endpoints.values()
-             if isinstance(e, dict) and e.get("type") == "Endpoint" and e.get("endpoint") == "generate"}
-    if len(found) != 1:
-        raise ValueError(f"DWM {dwm['metadata']['name']}: expected one generate endpoint, found {sorted(found)}")
-    return found.pop()

@@ -22,7 +22,6 @@ Needs root, ``ip`` (iproute2) and a kernel with veth and bridge support.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import ipaddress
@@ -30,77 +29,15 @@ import os
 import shutil
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+from dynsnap.runtime.command import CommandError, CommandResult, find_tool, run_command
 
 __all__ = ["CommandError", "CommandResult", "SandboxNetwork", "find_tool", "run_command"]
 
 
-class CommandError(RuntimeError):
-    """A command exited non-zero, or ran past its time bound (``returncode`` None)."""
-
-    def __init__(self, argv: list[str], returncode: int | None, stdout: str, stderr: str) -> None:
-        what = "timed out" if returncode is None else f"exited {returncode}"
-        super().__init__(f"{' '.join(argv)} {what}: {stderr.strip() or stdout.strip()}")
-        self.argv = argv
-        self.returncode = returncode
-        self.stdout = stdout
-        self.stderr = stderr
-
-
-@dataclass(frozen=True)
-class CommandResult:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-async def run_command(
-    argv: list[str],
-    *,
-    timeout: float,
-    check: bool = True,
-    env: dict[str, str] | None = None,
-) -> CommandResult:
-    """Run ``argv`` to completion within ``timeout`` seconds.
-
-    The command runs in its own session; on timeout (or cancellation) its whole
-    process group is killed and reaped, then :class:`CommandError` (returncode
-    None) is raised (or the cancellation propagates).
-    """
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except BaseException as e:  # timed out or cancelled: never leave the command running
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(proc.wait(), 5.0)  # reap it
-        if isinstance(e, TimeoutError):
-            raise CommandError(argv, None, "", f"no exit within {timeout} s") from None
-        raise
-    res = CommandResult(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
-    if check and res.returncode != 0:
-        raise CommandError(argv, res.returncode, res.stdout, res.stderr)
-    return res
-
-
 def _netns_exists(netns: str) -> bool:
     return os.path.exists(f"/run/netns/{netns}")
-
-
-def find_tool(name: str) -> str:
-    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
-    if path is None:
-        raise FileNotFoundError(f"{name!r} not found on PATH (the pod sandboxes need it)")
-    return path
 
 
 class SandboxNetwork:

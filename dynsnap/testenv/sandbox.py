@@ -22,7 +22,11 @@ runtime would, so that the agent finds its processes as on a real node:
   is mounted and writable. (The v1 ``memory`` hierarchy is left alone: the
   harness's own memory limit must keep applying.);
 - env: exactly the pod env, plus a default ``PATH`` when the env has none (an
-  image would supply one).
+  image would supply one);
+- emptyDir volumes: a tmpfs mounted at each of ``mounts`` inside the pod's mount
+  namespace only, as a runtime gives each pod its own emptyDir (so every pod can
+  use ``/run/dynsnap`` as its control directory, and the node reaches it only
+  through ``/proc/<pid>/root``).
 
 Process chain: ``sh`` (joins the cgroups) → ``setpriv --pdeathsig KILL`` → ``ip netns exec``
 → ``unshare ... --kill-child`` → PID 1 (``setsid`` → ``sh -c 'exec CMD >LOG'``). All
@@ -142,6 +146,7 @@ class PodSandbox:
         cgroup_parent: str = "dynsnap-test",
         container: str = "main",
         startup_timeout: float = 10.0,
+        mounts: list[str] | None = None,
     ) -> PodSandbox:
         """Start the pod: network, cgroups, namespaces, then ``command`` as PID 1.
 
@@ -161,13 +166,14 @@ class PodSandbox:
         sb.cgroup_parent = cgroup_parent
         net.on_down(sb.netns, lambda: sb.stop(grace=0))
         try:
-            await sb._launch(command, env, workdir, startup_timeout)
+            await sb._launch(command, env, workdir, startup_timeout, mounts or [])
         except BaseException:
             await sb.stop(grace=0)
             raise
         return sb
 
-    async def _launch(self, command: list[str], env: dict[str, str], workdir: Path, limit: float) -> None:
+    async def _launch(self, command: list[str], env: dict[str, str], workdir: Path, limit: float,
+                      mounts: list[str]) -> None:
         await self.net.attach(self.netns, self.pod_ip, hostname=self.name)
         _mkdirs(self.cgroup_paths)
         q = shlex.quote
@@ -176,7 +182,9 @@ class PodSandbox:
         # exec` remounts /sys, so through fds the launcher opened); unshare stays
         # in the caller's cgroup, as a container runtime's shim does.
         run = f"exec {q(find_tool('setsid'))} {shlex.join(command)} >{log} 2>&1 </dev/null"
-        inner = self._join_cgroups() + run
+        volumes = "".join(f"mkdir -p {q(m)} && mount -t tmpfs -o mode=0755,size=64m emptydir {q(m)} && "
+                          for m in mounts)
+        inner = self._join_cgroups() + volumes + run
         chain = [
             find_tool("setpriv"), "--pdeathsig", "KILL",
             find_tool("ip"), "netns", "exec", self.netns,

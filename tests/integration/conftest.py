@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dynsnap.testenv.cluster import LocalCluster
+from dynsnap.testenv.netns import SandboxNetwork
 
 pytestmark = pytest.mark.cluster
 
@@ -49,7 +50,11 @@ def _leaks(cluster: LocalCluster) -> list[str]:
 async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[LocalCluster]:
     _require_root()
     workdir = Path(tempfile.mkdtemp(prefix="dynsnap-testenv-"))
-    c = LocalCluster(workdir / "cluster")
+    # Two sessions on one machine (a developer's and CI's, or parallel work) each need their own
+    # bridge and /16: DYNSNAP_TEST_BRIDGE / DYNSNAP_TEST_CIDR pick another pair.
+    net = SandboxNetwork(bridge=os.environ.get("DYNSNAP_TEST_BRIDGE", "dsnbr0"),
+                         cidr=os.environ.get("DYNSNAP_TEST_CIDR", "10.213.0.0/16"))
+    c = LocalCluster(workdir / "cluster", net=net)
     await c.start()
     try:
         yield c

@@ -22,10 +22,14 @@ def test_demo_runs_the_cycle_and_leaves_nothing_behind() -> None:
     assert "FAILED" not in out
     for line in ("chat completion served",
                  "3/3 requests pinned to demo-worker-0 answered by it (before)",
-                 "3/3 requests pinned to demo-sleeper-0 answered by it (before)",
+                 "3/3 requests pinned to demo-worker-1 answered by it (before)",
+                 "accepted by the agent on",
+                 "agent captured it: quiesce", "settle-snapshotted",
                  "3/3 requests pinned to demo-worker-0 answered by it (during sleep)",
+                 "agent woke it: wake", "settle-active",
                  "same pod UID and IP", "same DWM UID and instance id",
-                 "3/3 requests pinned to demo-sleeper-0 answered by it (after wake)",
+                 "its EndpointSlice endpoint is ready again, same targetRef.uid",
+                 "3/3 requests pinned to demo-worker-1 answered by it (after wake)",
                  "no liveness restart while it slept",
                  "demo passed"):
         assert line in out, line

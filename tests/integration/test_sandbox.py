@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynsnap.testenv.criu import criu_binary, criu_dump, criu_restore
+from dynsnap.agent.criu import CriuOptions, NamespaceTarget, criu_dump, criu_restore
+from dynsnap.models.ids import NsPid
 from dynsnap.testenv.netns import run_command
 from dynsnap.testenv.sandbox import PodSandbox, SandboxNetwork, remove_empty_cgroups
 
@@ -237,12 +238,19 @@ async def _start_init(net: SandboxNetwork, tmp_path: Path, name: str, ip: str, p
     )
 
 
+def _criu(*, tcp: bool = True) -> CriuOptions:
+    """CRIU as the agent runs it (binary from ./run setup); a clear error when it is not built."""
+    binary = os.environ.get("DYNSNAP_CRIU", "")
+    if not os.access(binary, os.X_OK):
+        pytest.fail("CRIU not built: DYNSNAP_CRIU is unset or not executable; run ./run setup")
+    return CriuOptions(binary=binary, tcp_established=tcp, network_lock="nftables" if tcp else None)
+
+
 def _numbers(path: Path) -> list[int]:
     return [int(x) for x in path.read_text().split()]
 
 
 async def test_criu_dump_and_restore_in_place(net: SandboxNetwork, tmp_path: Path) -> None:
-    criu_binary()  # a clear error when CRIU is not built
     sb = await _start_init(net, tmp_path, "counter", "10.213.250.12", COUNTER)
     out = tmp_path / "worker.out"
     try:
@@ -254,7 +262,7 @@ async def test_criu_dump_and_restore_in_place(net: SandboxNetwork, tmp_path: Pat
         netns = os.stat(f"/proc/{sb.pid}/ns/net").st_ino
 
         images = tmp_path / "images"
-        dumped = await criu_dump(sb, 2, images, timeout=60)
+        dumped = await criu_dump(NamespaceTarget(sb.pid), NsPid(2), images, opts=_criu(tcp=False), timeout=60)
         assert images.stat().st_mode & 0o777 == 0o700
         assert (images / "core-2.img").exists()
         await _wait("the dumped worker to be gone", lambda: sb.host_pid(2) is None, limit=5)
@@ -263,7 +271,7 @@ async def test_criu_dump_and_restore_in_place(net: SandboxNetwork, tmp_path: Pat
         assert _numbers(out)[-1] == last, "the counter ran on after its dump"
         assert sb.alive()
 
-        restored = await criu_restore(sb, images, timeout=60)
+        restored = await criu_restore(NamespaceTarget(sb.pid), images, opts=_criu(tcp=False), timeout=60)
         assert restored.pid == dumped.pid == 2
         host = sb.host_pid(2)
         assert host is not None
@@ -282,7 +290,6 @@ async def test_criu_dump_and_restore_in_place(net: SandboxNetwork, tmp_path: Pat
 
 
 async def test_criu_restores_established_tcp_connection(net: SandboxNetwork, tmp_path: Path) -> None:
-    criu_binary()
     ip = "10.213.250.13"
     sb = await _start_init(net, tmp_path, "echo", ip, ECHO_SERVER)
     out = tmp_path / "worker.out"
@@ -294,8 +301,8 @@ async def test_criu_restores_established_tcp_connection(net: SandboxNetwork, tmp
             await loop.run_in_executor(None, conn.sendall, b"one")
             assert await loop.run_in_executor(None, conn.recv, 64) == b"echo:one"
             images = tmp_path / "images"
-            await criu_dump(sb, 2, images, tcp_established=True, network_lock="nftables", timeout=60)
-            await criu_restore(sb, images, tcp_established=True, network_lock="nftables", timeout=60)
+            await criu_dump(NamespaceTarget(sb.pid), NsPid(2), images, opts=_criu(), timeout=60)
+            await criu_restore(NamespaceTarget(sb.pid), images, opts=_criu(), timeout=60)
             # The very same host-side connection keeps working with the restored server.
             await loop.run_in_executor(None, conn.sendall, b"two")
             assert await loop.run_in_executor(None, conn.recv, 64) == b"echo:two"
@@ -326,7 +333,6 @@ async def test_criu_live_dynamo_mocker_in_place(net: SandboxNetwork, tmp_path: P
     well inside the file backend's lease. The cluster suite does the same with
     Kubernetes discovery and a real suspend.
     """
-    criu_binary()
     e = _need_env("DYNSNAP_DYNAMO_PYTHON", "DYNSNAP_MODEL_DIR", "DYNSNAP_NATIVE_BIN")
     py, model = e["DYNSNAP_DYNAMO_PYTHON"], e["DYNSNAP_MODEL_DIR"]
     entrypoint = Path(e["DYNSNAP_NATIVE_BIN"]) / "dynsnap-entrypoint"
@@ -382,11 +388,10 @@ async def test_criu_live_dynamo_mocker_in_place(net: SandboxNetwork, tmp_path: P
                         lambda: json.loads(_read(control / "entrypoint.json"))["state"] == "suspending",
                         limit=10)
             images = tmp_path / "images"
-            await criu_dump(wk, wpid, images, tcp_established=True, network_lock="nftables", timeout=60)
+            await criu_dump(NamespaceTarget(wk.pid), NsPid(wpid), images, opts=_criu(), timeout=60)
             assert wk.host_pid(wpid) is None
             _request_state(control, 2, "restoring")
-            restored = await criu_restore(wk, images, tcp_established=True, network_lock="nftables",
-                                          timeout=60)
+            restored = await criu_restore(NamespaceTarget(wk.pid), images, opts=_criu(), timeout=60)
             assert restored.pid == wpid
             _request_state(control, 3, "active")
             for _ in range(3):

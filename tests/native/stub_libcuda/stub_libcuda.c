@@ -8,7 +8,8 @@
  * in order, and fakes device enumeration and free memory. All of it lives in
  * $DYNSNAP_STUB_DIR, shared with ../stub_nvml (stub_files.h reads it):
  *
- *   state     "pid state" lines (0 running, 1 locked, 2 checkpointed, 3 failed)
+ *   state     "key state" lines (key: the pid, or see nskey; 0 running, 1 locked,
+ *             2 checkpointed, 3 failed)
  *   log       one line per call, appended when the call returns:
  *               <function> pid=<pid> [timeout=<ms>] [pairs=<old>><new>;...] rc=<code>
  *             for the checkpoint API, and for the calls that read free
@@ -27,6 +28,9 @@
  *                                                takes, that much on a device
  *               nvmlskew <device> <bytes>        stub_nvml reports that much
  *                                                less free than cuMemGetInfo
+ *               nskey 0                          key state by (pid namespace,
+ *                                                pid in it): survives an
+ *                                                in-place CRIU restore
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -37,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "stub_files.h"
@@ -62,18 +67,55 @@ static long long mem_of(int pid, int *devp)
 	return v[1];
 }
 
+/* With a line "nskey 0" in control, per-pid state is keyed by the process's
+ * pid namespace and its pid there instead of its host pid. The real driver keeps
+ * a process's checkpoint state inside the process, so it survives an in-place
+ * CRIU dump and restore (same namespace, same in-namespace pid, a new host pid);
+ * keyed this way, the stub's state does too. A pid with no /proc entry (the CLI
+ * tests' made-up pids) keeps its own number. */
+static long long state_key(int pid)
+{
+	char p[64], line[256];
+	struct stat st;
+	long long nspid = -1;
+	FILE *f;
+
+	if (!control_keyed("nskey", 0, NULL, 0))
+		return pid;
+	snprintf(p, sizeof(p), "/proc/%d/ns/pid", pid);
+	if (stat(p, &st))
+		return pid;
+	snprintf(p, sizeof(p), "/proc/%d/status", pid);
+	f = fopen(p, "r");
+	if (!f)
+		return pid;
+	while (fgets(line, sizeof(line), f)) {
+		char *tok, *save = NULL;
+
+		if (strncmp(line, "NSpid:", 6))
+			continue;
+		for (tok = strtok_r(line + 6, " \t\n", &save); tok; tok = strtok_r(NULL, " \t\n", &save))
+			nspid = atoll(tok);
+	}
+	fclose(f);
+	if (nspid < 0)
+		return pid;
+	return (long long)(st.st_ino << 22) | nspid; /* pid_max is at most 2^22 */
+}
+
 static int read_state(int pid)
 {
 	char p[4096];
-	int q, s, st = CU_PROCESS_STATE_RUNNING;
+	long long q, key = state_key(pid);
+	int s, st = CU_PROCESS_STATE_RUNNING;
 	FILE *f;
 
 	path(p, sizeof(p), "state");
 	f = fopen(p, "r");
 	if (!f)
 		return st;
-	while (fscanf(f, "%d %d", &q, &s) == 2)
-		if (q == pid)
+	while (fscanf(f, "%lld %d", &q, &s) == 2)
+		if (q == key)
 			st = s;
 	fclose(f);
 	return st;
@@ -82,24 +124,25 @@ static int read_state(int pid)
 static void write_state(int pid, int st)
 {
 	char p[4096], tmp[4200];
-	int pids[MAXP], sts[MAXP], n = 0, q, s, found = 0;
+	long long keys[MAXP], q, key = state_key(pid);
+	int sts[MAXP], n = 0, s, found = 0;
 	FILE *f;
 
 	path(p, sizeof(p), "state");
 	f = fopen(p, "r");
 	if (f) {
-		while (n < MAXP && fscanf(f, "%d %d", &q, &s) == 2) {
-			if (q == pid) {
+		while (n < MAXP && fscanf(f, "%lld %d", &q, &s) == 2) {
+			if (q == key) {
 				s = st;
 				found = 1;
 			}
-			pids[n] = q;
+			keys[n] = q;
 			sts[n++] = s;
 		}
 		fclose(f);
 	}
 	if (!found && n < MAXP) {
-		pids[n] = pid;
+		keys[n] = key;
 		sts[n++] = st;
 	}
 	snprintf(tmp, sizeof(tmp), "%s.tmp", p);
@@ -107,7 +150,7 @@ static void write_state(int pid, int st)
 	if (!f)
 		return;
 	for (int i = 0; i < n; i++)
-		fprintf(f, "%d %d\n", pids[i], sts[i]);
+		fprintf(f, "%lld %d\n", keys[i], sts[i]);
 	fclose(f);
 	rename(tmp, p);
 }

@@ -1,0 +1,223 @@
+"""dynsnap's own parts in the local environment: its CRD and the agent's shipped RBAC installed in
+the local cluster, a service-account token for the agent from the TokenRequest API, the node agent
+started as a process of its own (one per fake node, as a DaemonSet would), the stub CUDA driver the
+agent's dynsnap-cuda loads (``stub_libcuda`` and ``stub_nvml``: no GPU here; they stand in for the
+NVIDIA driver), and mocker workers wired for dynsnap that map it (so the agent finds GPU processes
+the way it does on a node: by what they map).
+
+Layer: ``dynsnap.testenv``. The agent runs as ``python -m dynsnap agent``: nothing here imports it.
+Runs from a checkout (the stub driver's C sources are under tests/native/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import Conflict
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.crd import workersnapshot_crd
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import LocalCluster, RunningPod
+from dynsnap.testenv.process import Supervised
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
+STUB_SRC = ROOT / "tests" / "native" / "stub_libcuda" / "stub_libcuda.c"
+NVML_SRC = ROOT / "tests" / "native" / "stub_nvml" / "stub_nvml.c"
+AGENT_NS = "dynsnap-system"
+AGENT_SA = "dynsnap-agent"
+
+
+def _cuda_include() -> str:
+    cands = [os.environ.get("DYNSNAP_CUDA_INCLUDE", "")]
+    cache = os.environ.get("DYNSNAP_CACHE", os.path.expanduser("~/.cache/dynsnap"))
+    cands += sorted(glob.glob(f"{cache}/cuda-headers-*/include"), reverse=True)
+    for c in cands:
+        if c and (Path(c) / "cuda.h").is_file():
+            return c
+    raise FileNotFoundError("no CUDA 13 cuda.h: run ./run setup")
+
+
+@dataclass(frozen=True)
+class StubDriver:
+    """stub_libcuda + stub_nvml built as libcuda.so.1 / libnvidia-ml.so.1 (stands in for the NVIDIA
+    driver), with a state directory keyed by pid namespace (``nskey``), so a process's checkpoint
+    state survives an in-place CRIU restore as the real driver's (kept inside the process) does."""
+
+    dir: Path
+
+    @property
+    def libcuda(self) -> Path:
+        return self.dir / "lib" / "libcuda.so.1"
+
+    @property
+    def libnvml(self) -> Path:
+        return self.dir / "lib" / "libnvidia-ml.so.1"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.dir / "state"
+
+    def env(self) -> dict[str, str]:
+        return {"DYNSNAP_LIBCUDA": str(self.libcuda), "DYNSNAP_LIBNVML": str(self.libnvml),
+                "DYNSNAP_STUB_DIR": str(self.state_dir)}
+
+    def control(self, line: str) -> None:
+        with open(self.state_dir / "control", "a") as f:
+            f.write(line + "\n")
+
+    def clear_faults(self) -> None:
+        (self.state_dir / "control").write_text("nskey 0\n")
+
+    def states(self) -> dict[int, int]:
+        f = self.state_dir / "state"
+        if not f.exists():
+            return {}
+        return {int(k): int(v) for k, v in (line.split() for line in f.read_text().splitlines() if line.strip())}
+
+    def calls(self) -> list[str]:
+        f = self.state_dir / "log"
+        return f.read_text().splitlines() if f.exists() else []
+
+
+def build_stub_driver(out: Path) -> StubDriver:
+    (out / "lib").mkdir(parents=True, exist_ok=True)
+    (out / "state").mkdir(parents=True, exist_ok=True)
+    inc = _cuda_include()
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", f"-I{inc}", "-o",
+                    str(out / "lib" / "libcuda.so.1"), str(STUB_SRC)], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{STUB_SRC.parent}", "-o",
+                    str(out / "lib" / "libnvidia-ml.so.1"), str(NVML_SRC)], check=True)
+    d = StubDriver(out)
+    d.clear_faults()
+    return d
+
+
+async def install_dynsnap(cluster: LocalCluster) -> None:
+    """dynsnap's CRD (generated from the models) and the agent's RBAC from deploy/ (idempotent)."""
+    await cluster.install_crd(workersnapshot_crd())
+    with contextlib.suppress(Conflict):
+        await cluster.api.create(R.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace",
+                                                "metadata": {"name": AGENT_NS}})
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text()):
+        res = {"ServiceAccount": R.SERVICE_ACCOUNTS, "ClusterRole": R.CLUSTER_ROLES,
+               "ClusterRoleBinding": R.CLUSTER_ROLE_BINDINGS}[doc["kind"]]
+        await cluster.api.apply(res, doc, force=True)
+
+
+async def token_kubeconfig(cluster: LocalCluster, *, namespace: str, sa: str, path: Path) -> Path:
+    """A kubeconfig for ``sa`` with a token from the TokenRequest API (as a projected token would be)."""
+    assert cluster.cp is not None and cluster.cp.pki is not None
+    res = await cluster.api.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{sa}/token",
+        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+              "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 7200}})
+    token = res["status"]["token"]
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "sa",
+           "clusters": [{"name": "c", "cluster": {"server": cluster.cp.url,
+                                                  "certificate-authority": str(cluster.cp.pki.ca_cert)}}],
+           "users": [{"name": sa, "user": {"token": token}}],
+           "contexts": [{"name": "sa", "context": {"cluster": "c", "user": sa}}]}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+@dataclass
+class AgentProc:
+    """``dynsnap agent`` for one fake node, as its own process under the agent's service account."""
+
+    node: str
+    kubeconfig: Path
+    workdir: Path
+    driver: StubDriver
+    extra: list[str] = field(default_factory=list)
+    proc: Supervised | None = None
+
+    @property
+    def images_root(self) -> Path:
+        return self.workdir / "images"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.workdir / "cuda-state"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"agent-{self.node}.log"
+
+    def argv(self) -> list[str]:
+        native = Path(os.environ.get("DYNSNAP_NATIVE_BIN", ROOT / "native" / "build"))
+        args = [sys.executable, "-m", "dynsnap", "-v", "agent", "--kubeconfig", str(self.kubeconfig),
+                "--node-name", self.node, "--images-root", str(self.images_root), "--state-dir", str(self.state_dir),
+                "--cuda-helper", str(native / "dynsnap-cuda"), "--criu", os.environ["DYNSNAP_CRIU"],
+                "--health-port", "0", "--failure-backoff", "2", "--scrape-interval", "1",
+                "--activity-granularity", "0"]
+        for k, v in self.driver.env().items():
+            args += ["--cuda-env", f"{k}={v}"]
+        return args + self.extra
+
+    async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DYNSNAP_AGENT_")}
+        self.proc = Supervised(f"agent-{self.node}", self.argv(), log_path=self.log_path, env=env)
+        await self.proc.start()
+
+    async def stop(self, *, grace: float = 10.0) -> None:
+        if self.proc is not None:
+            await self.proc.stop(grace=grace)
+            self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a node losing its agent pod would (no cleanup of any kind)."""
+        assert self.proc is not None and self.proc.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 9)
+
+    def tail(self, n: int = 60) -> str:
+        return self.proc.tail(n) if self.proc else "(not started)"
+
+
+def worker_component(name: str, *, replicas: int, driver: StubDriver, env: dict[str, str] | None = None) -> Obj:
+    """Mocker workers wired for dynsnap, each mapping the stub CUDA driver (a GPU process to the agent)."""
+    return D.mocker_component(name, replicas=replicas, dynsnap=True,
+                              env={"LD_PRELOAD": str(driver.libcuda), **(env or {})})
+
+
+async def deploy_serving(cluster: LocalCluster, body: Obj) -> D.Graph:
+    """Deploy a DGD whose dynsnap workers carry the serving gate, and set the gate True on each, as
+    the controller does for a new worker (a gate nobody set counts as False: never Ready)."""
+    graph = await D.deploy(cluster, body, wait=False)
+    pods = [p for ps in graph.pods.values() for p in ps]
+    for p in pods:
+        live = await cluster.api.get(R.PODS, p.name, namespace=p.namespace)
+        if any(g.get("conditionType") == P.CONDITION_SERVING for g in live["spec"].get("readinessGates") or []):
+            await cluster.set_serving_gate(p, True)
+    await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=120) for p in pods))
+    return graph
+
+
+def ws_body(pod: RunningPod, *, tier: str, desired: str = "Active", container: str = "main") -> Obj:
+    return {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND,
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": {P.LABEL_NODE: pod.node},
+                         "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod.name, "uid": pod.uid,
+                                              "blockOwnerDeletion": False}]},
+            "spec": {"podName": pod.name, "podUID": pod.uid, "container": container, "tier": tier,
+                     "desiredState": desired}}
+
+
+async def set_desired(api: Kube, pod: RunningPod, desired: str) -> None:
+    await api.merge_patch(R.WORKER_SNAPSHOTS, pod.name, {"spec": {"desiredState": desired}}, namespace=pod.namespace)
+
+
