@@ -22,7 +22,6 @@ directories, a helper still running, an entrypoint mid-request) is finished or r
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -120,6 +119,9 @@ class NodeAgent:
     pod_informer: Any = None
     # key -> the object the server returned for our last status write, until the informer shows it
     _written: dict[str, Obj] = field(default_factory=dict)
+    # key -> a status a step produced that could not be written (API server away): the next
+    # reconcile builds on it and writes it, so no step's record is lost to an outage
+    _unwritten: dict[str, WorkerSnapshotStatus] = field(default_factory=dict)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -176,6 +178,9 @@ class NodeAgent:
             # The API server validates the spec; this only catches a CRD older than this agent.
             log.warning("%s: spec unreadable: %s", key, e)
             return None
+        pending = self._unwritten.get(key)
+        if pending is not None:
+            ws = ws.model_copy(update={"status": pending})
         pod = self._pod(ws.metadata.namespace or "", ws.spec.pod_name)
         verdict = admit(ws, pod, node=self.settings.node_name)
         if not verdict.ok:
@@ -415,7 +420,7 @@ class NodeAgent:
         return self.settings.scrape_interval
 
     async def _write(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus) -> None:
-        if status == ws.status:
+        if status == ws.status and ws.key not in self._unwritten:
             return  # nothing changed: no write (a quiet fleet costs the API server nothing)
         body = {"metadata": {"name": ws.metadata.name, "namespace": ws.metadata.namespace},
                 "status": status.wire()}
@@ -424,16 +429,20 @@ class NodeAgent:
                                             field_manager=P.AGENT_FIELD_MANAGER, force=True)
         except ApiError as e:
             if e.status == 404:
+                self._unwritten.pop(ws.key, None)
                 return  # deleted meanwhile (its pod went): nothing left to report on
+            self._unwritten[ws.key] = status
             raise
+        except Exception:
+            self._unwritten[ws.key] = status  # the step happened; its record goes out with the next write
+            raise
+        self._unwritten.pop(ws.key, None)
         self._written[ws.key] = written
 
     async def _event(self, ws: WorkerSnapshot, kind: str, reason: Reason, note: str) -> None:
         if self.events is None:
             return
-        with contextlib.suppress(Exception):
-            await self.events.emit(ws_ref(ws), type=kind, reason=reason.value, note=note[:1024],
-                                   action=reason.value)
+        await self.events.record(ws_object(ws), type=kind, reason=reason.value, action=reason.value, note=note)
 
     # -- housekeeping -------------------------------------------------------------------------
 
@@ -446,9 +455,11 @@ class NodeAgent:
         await run_workers(self.queue, self.reconcile, workers=self.settings.workers, name="agent")
 
 
-def ws_ref(ws: WorkerSnapshot) -> Obj:
-    return {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND, "name": ws.metadata.name,
-            "namespace": ws.metadata.namespace, "uid": ws.metadata.uid}
+def ws_object(ws: WorkerSnapshot) -> Obj:
+    """What an Event's ``regarding`` is built from (EventRecorder never raises into a reconcile)."""
+    return {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND,
+            "metadata": {"name": ws.metadata.name, "namespace": ws.metadata.namespace, "uid": ws.metadata.uid,
+                         "resourceVersion": ws.metadata.resource_version}}
 
 
 def idle_for(facts: IdleFacts | None, now: datetime | None = None) -> float | None:

@@ -181,6 +181,14 @@ async def test_desired_state_takes_a_worker_through_each_tier_and_back(cluster: 
         await eventually("request ids from before and after the wake in the container log", logged, timeout=30)
         host = pod.sandbox.host_pid(ctl["worker_pid"])
         assert host is not None and _ppid(host) == pod.sandbox.pid, "the worker is the entrypoint's child again"
+        # Every step explained: the agent's Events about this WorkerSnapshot (reported as dynsnap's agent).
+        events = (await api.list(R.EVENTS, namespace=pod.namespace))["items"]
+        mine = [(e["reason"], e.get("note", "")) for e in events
+                if e["regarding"].get("uid") == awake["metadata"]["uid"]
+                and e.get("reportingController") == "dynsnap.io/agent"]
+        reasons = {r for r, _ in mine}
+        assert {"Capturing", "Suspended", "Waking", "Active"} <= reasons, mine
+        assert any(r == "Suspended" and n.startswith("captured in ") for r, n in mine), mine
         if tier == "snapshot":  # woken from and superseded: the images (the worker's secrets) are gone
             assert not Path(st["image"]["path"]).exists()
     finally:
