@@ -9,6 +9,7 @@ line with the outcome; exits 0 when the worker reached the wanted state, 1 when 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ async def execute(settings: AgentSettings, subject: Subject, *, action: str, tie
         if step == Step.NONE:
             break
         if step == Step.WAIT_HELPER:
-            await _pause(1.0)
+            await asyncio.sleep(1.0)  # a helper an earlier run left is still working; bounded by MAX_STEPS
         try:
             res = await ex.run_step(subject, obs, step, tier=tier, gate=gate, capture_id=capture_id)
         except StepFailure as f:
@@ -85,12 +86,6 @@ async def execute(settings: AgentSettings, subject: Subject, *, action: str, tie
     _emit(out, {"outcome": "ok" if ok else "failed", "state": final.state.value, "seconds": round(outcome.seconds, 4),
                 "error": error})
     return outcome
-
-
-async def _pause(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
 
 
 def _brief(info: dict[str, Any]) -> dict[str, Any]:

@@ -148,9 +148,6 @@ async def run_workers(queue: WorkQueue[K], reconcile: Reconcile[K], *, workers: 
             try:
                 queue.stats.reconciles += 1
                 again = await reconcile(key)
-            except asyncio.CancelledError:
-                queue.done(key)
-                raise
             except Exception:
                 queue.stats.errors += 1
                 delay = queue.add_rate_limited(key)
