@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-
 from agentenv import (
     AGENT_NS,
     AGENT_SA,
@@ -32,6 +31,7 @@ from agentenv import (
     worker_component,
     ws_body,
 )
+
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.runtime.command import find_tool
