@@ -107,7 +107,8 @@ def workersnapshot_crd() -> Schema:
             "status": status,
         },
         "x-kubernetes-validations": [
-            {"rule": "self.metadata.name == self.spec.podName",
+            # fieldPath: the error names spec.podName (without it the API server says "<nil>").
+            {"rule": "self.metadata.name == self.spec.podName", "fieldPath": ".spec.podName",
              "message": "a WorkerSnapshot is named after its pod: metadata.name must equal spec.podName"},
         ],
     }
