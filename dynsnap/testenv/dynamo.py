@@ -64,11 +64,14 @@ def entrypoint_probes(probe_port: int = P.ENTRYPOINT_PROBE_PORT) -> Obj:
 
 def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | None = None,
                      control_dir: str | None = None, extra_pod_spec: Obj | None = None,
-                     dynsnap: bool = False, env: dict[str, str] | None = None) -> Obj:
+                     dynsnap: bool = False, env: dict[str, str] | None = None,
+                     speedup_ratio: float = 100) -> Obj:
     """Mocker workers. With ``control_dir`` each runs under dynsnap-entrypoint (probes on its port)
     with that host directory as its control directory. With ``dynsnap`` they are wired for dynsnap as
     examples/dgd/ does it: the entrypoint with its control directory on an emptyDir at /run/dynsnap
-    (each pod its own), probes on the entrypoint, the dynsnap.io/serving readiness gate."""
+    (each pod its own), probes on the entrypoint, the dynsnap.io/serving readiness gate.
+    ``speedup_ratio`` divides the mocker's simulated engine time: 100 answers at once; below 1 a
+    request of a few thousand tokens stays in flight for tens of seconds."""
     command = [dynamo_python(), "-m", "dynamo.mocker"]
     main: Obj = {}
     extra = dict(extra_pod_spec or {})
@@ -83,7 +86,7 @@ def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | 
     if env:
         main["env"] = [{"name": k, "value": v} for k, v in env.items()]
     args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--disaggregation-mode", mode,
-            "--speedup-ratio", "100"]
+            "--speedup-ratio", f"{speedup_ratio:g}"]
     comp: Obj = {"name": name, "componentType": "worker", "replicas": replicas,
                  "extraPodSpec": {**extra, "mainContainer": {"command": command, "args": args, **main}}}
     if sub:
