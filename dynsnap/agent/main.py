@@ -1,6 +1,6 @@
 """``dynsnap agent``: the node agent process. Starts two informers (this node's WorkerSnapshots by
 their ``dynsnap.io/node`` label; the pods bound to this node), waits for their first list, then
-reconciles with a few workers; deletes images of pods gone from the node once a minute; serves
+reconciles with a few workers; deletes images of pods gone from the node every ``gc_interval``; serves
 ``/healthz`` and ``/readyz``; stops cleanly on SIGTERM.
 
 Layer: ``dynsnap.agent``.
@@ -26,8 +26,6 @@ from dynsnap.runtime.health import HealthServer
 
 log = logging.getLogger(__name__)
 
-# Images of pods gone from the node are deleted this often (they hold the worker's secrets).
-GC_INTERVAL = 60.0
 SYNC_TIMEOUT = 120.0
 
 
@@ -88,7 +86,7 @@ async def _gc_loop(agent: NodeAgent, stop: asyncio.Event) -> None:
         if removed:
             log.info("deleted images of pods gone from this node: %s", removed)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), GC_INTERVAL)
+            await asyncio.wait_for(stop.wait(), agent.settings.gc_interval)
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:

@@ -74,6 +74,9 @@ class AgentSettings(BaseModel):
     workers: Annotated[int, Field(ge=1, description=(
         "Reconciles run at once. Captures of different workers overlap on a node with several GPUs; the same "
         "worker is never handled twice at once."))] = 4
+    gc_interval: Annotated[float, Field(gt=0, description=(
+        "Seconds between deletions of the images of pods gone from this node (images hold the worker's "
+        "secrets). A minute keeps the cost of the scan negligible; tests shorten it."))] = 60.0
     health_port: Annotated[int, Field(ge=0, lt=65536, description=(
         "Port of /healthz, /readyz and /metrics (0: none)."))] = 8090
     cuda_env: Annotated[dict[str, str], Field(description=(
