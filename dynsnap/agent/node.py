@@ -36,7 +36,7 @@ from dynsnap.agent.images import new_capture_id
 from dynsnap.agent.plan import CAPTURE_STEPS, Step
 from dynsnap.agent.settings import AgentSettings
 from dynsnap.k8s.client import Kube, Obj
-from dynsnap.k8s.errors import ApiError
+from dynsnap.k8s.errors import ApiError, NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.ids import PodUID
@@ -155,6 +155,16 @@ class NodeAgent:
         obj: Obj | None = self.pod_informer.store.get(ns, name)
         return obj
 
+    async def _pod_off_node(self, ns: str, name: str) -> Obj | None:
+        """The pod as the API server has it, for one this node's store lacks. The store holds only the
+        pods bound here, so without this a pod on another node would be refused as missing
+        (PodNotFound, "does not exist") instead of as WrongNode."""
+        try:
+            obj: Obj = await self.kube.get(R.PODS, name, namespace=ns)
+        except NotFound:
+            return None
+        return obj
+
     def on_ws(self, _type: str, obj: Obj) -> None:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
         self._caught_up(key, obj)
@@ -182,6 +192,8 @@ class NodeAgent:
         if pending is not None:
             ws = ws.model_copy(update={"status": pending})
         pod = self._pod(ws.metadata.namespace or "", ws.spec.pod_name)
+        if pod is None:
+            pod = await self._pod_off_node(ws.metadata.namespace or "", ws.spec.pod_name)
         verdict = admit(ws, pod, node=self.settings.node_name)
         if not verdict.ok:
             await self._write(ws, self._refused(ws, verdict))
