@@ -68,6 +68,7 @@ from refusalenv import (
     worker_metrics,
 )
 
+from dynsnap.agent.idle import INFLIGHT, REQUESTS  # the series the agent reads: they must exist
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict, Invalid, NotFound
 from dynsnap.models import protocol as P
@@ -82,8 +83,6 @@ OTHER_NS = "refusal-other"  # a namespace with no pods: a WorkerSnapshot there n
 # flips and the agent looks; a pinned 8-token request still takes well under a second.
 SLOW = 0.2
 LONG_TOKENS = 1000
-INFLIGHT = "dynamo_component_inflight_requests"
-REQUESTS = "dynamo_component_requests_total"
 
 
 @dataclass
@@ -252,6 +251,8 @@ def _hostile(env: Env, case: str) -> Hostile:
     w0, w1 = env.pod("worker", 0), env.pod("worker", 1)
     assert (w0.node, w1.node) == (NODES[0], NODES[1])
     if case == "uid-of-another-pod":
+        # Acted on, it would capture worker-1: a pod's processes are found by UID in /proc (here every
+        # fake node's pods share this host's /proc), whatever pod the name says.
         return Hostile(hostile_ws(name=w0.name, namespace=w0.namespace, node=w0.node, pod_name=w0.name,
                                   pod_uid=w1.uid), [w0, w1], P.Reason.POD_UID_MISMATCH.value,
                        f"pod {w0.name} has UID {w0.uid}, the spec names {w1.uid}")
@@ -270,6 +271,8 @@ def _hostile(env: Env, case: str) -> Hostile:
                                   pod_uid=gated.uid), [gated], P.Reason.NOT_UNDER_ENTRYPOINT.value,
                        "no container runs dynsnap-entrypoint as its PID 1")
     assert case == "pod-on-another-node"
+    # Labelled for node-a: node-a's agent refuses it; node-b's, which would accept it, never sees it (it
+    # watches only WorkerSnapshots labelled with its node).
     return Hostile(hostile_ws(name=w1.name, namespace=w1.namespace, node=w0.node, pod_name=w1.name,
                               pod_uid=w1.uid), [w1], P.Reason.WRONG_NODE.value,
                    f"pod runs on {w1.node!r}, this agent serves {w0.node!r}")
@@ -293,6 +296,7 @@ async def test_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing(clu
         assert ws["status"]["state"] == P.ObservedState.UNKNOWN.value
         # Asked to sleep, with every pod it names out of serving, as the controller would leave them:
         # only the refusal stands between the spec and a capture (tier snapshot: it would leave images).
+        # On a pod without the gate the condition changes nothing: the agent must go by the pod's spec.
         for pod in h.targets:
             await cluster.set_serving_gate(pod, False)
         for pod in h.targets:
@@ -370,9 +374,10 @@ async def test_capture_is_refused_while_requests_are_in_flight_by_the_workers_ow
     api = cluster.api
     pod = env.pod("worker", 0)
     wid = env.ids[pod.name]
+    # The series the agent measures in-flight and activity by are on the worker's own system port.
     names = metric_names(await worker_metrics(pod))
     print("metric families on the mocker's system port:", " ".join(names))
-    assert INFLIGHT in names and REQUESTS in names
+    assert INFLIGHT in names and REQUESTS in names, names
     await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
     streams: list[asyncio.Task[StreamedChat]] = []
     try:
