@@ -1,0 +1,148 @@
+"""``dynsnap agent exec``: the agent's executor without Kubernetes, the way the GPU machine runs it
+(bench/gpu/agent_h200.sh), here against the stub CUDA driver and real CRIU. A process that maps the
+stub driver runs under dynsnap-entrypoint as PID 1 of its own pid and mount namespace (its control
+directory on a tmpfs only that namespace sees); one `exec capture` and one `exec wake` per tier take
+it to sleep and back, and it goes on counting from where it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dynsnap.runtime.command import find_tool
+from dynsnap.testenv.dynsnap_parts import StubDriver, build_stub_driver
+
+ROOT = Path(__file__).resolve().parents[2]
+NATIVE = Path(os.environ.get("DYNSNAP_NATIVE_BIN", ROOT / "native" / "build"))
+COUNTER = """
+import os, sys, time
+ctl = sys.argv[1]
+n = 0
+while True:
+    n += 1
+    tmp = os.path.join(ctl, "count.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(n))
+    os.replace(tmp, os.path.join(ctl, "count"))
+    time.sleep(0.05)
+"""
+
+
+def _need() -> str:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (namespaces, CRIU)")
+    criu = os.environ.get("DYNSNAP_CRIU", "")
+    if not os.access(criu, os.X_OK):
+        pytest.fail("CRIU not built: DYNSNAP_CRIU is unset or not executable; run ./run setup")
+    if not (NATIVE / "dynsnap-entrypoint").exists() or not (NATIVE / "dynsnap-cuda").exists():
+        pytest.fail("native/build is not built: run make -C native")
+    return criu
+
+
+class Container:
+    """The worker under the entrypoint in its own pid + mount namespace (a runtime's container)."""
+
+    def __init__(self, work: Path, driver: StubDriver) -> None:
+        self.ctl = work / "ctl"
+        self.ctl.mkdir(parents=True)
+        script = work / "counter.py"
+        script.write_text(COUNTER)
+        # Only stdio open, as a runtime starts a container: CRIU cannot dump a descriptor opened
+        # outside the worker's mount namespace.
+        close_fds = "import os, sys; os.closerange(3, 65536); os.execvp(sys.argv[1], sys.argv[1:])"
+        inner = (f"mkdir -p /run/dynsnap && mount -t tmpfs emptydir /run/dynsnap && "
+                 f"LD_PRELOAD={driver.libcuda} exec {sys.executable} -c '{close_fds}' "
+                 f"{NATIVE / 'dynsnap-entrypoint'} --control-dir /run/dynsnap --system-port 9090 --probe-port 18081 "
+                 f"-- {sys.executable} {script} {self.ctl}")
+        self.proc = subprocess.Popen(
+            [find_tool("unshare"), "--pid", "--fork", "--kill-child", "--mount-proc", "--mount", "--propagation",
+             "private", "--", "sh", "-c", inner],
+            stdin=subprocess.DEVNULL, stdout=open(work / "container.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            start_new_session=True, close_fds=True)
+        self.entrypoint = 0
+        for _ in range(100):
+            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            if kids and (self.ctl / "count").exists():
+                self.entrypoint = int(kids[0])
+                break
+            time.sleep(0.1)
+        assert self.entrypoint, (work / "container.log").read_text()
+
+    def count(self) -> int:
+        return int((self.ctl / "count").read_text())
+
+    def counting(self) -> bool:
+        a = self.count()
+        for _ in range(40):
+            time.sleep(0.05)
+            if self.count() > a:
+                return True
+        return False
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def container(tmp_path: Path) -> Iterator[tuple[Container, StubDriver]]:
+    _need()
+    driver = build_stub_driver(tmp_path / "stub")
+    c = Container(tmp_path, driver)
+    try:
+        yield c, driver
+    finally:
+        c.stop()
+
+
+def _exec(tmp_path: Path, driver: StubDriver, c: Container, uid: str, action: str, tier: str,
+          *extra: str) -> tuple[int, list[dict[str, object]]]:
+    argv = [sys.executable, "-m", "dynsnap", "agent", "--images-root", str(tmp_path / "images"),
+            "--state-dir", str(tmp_path / "state"), "--cuda-helper", str(NATIVE / "dynsnap-cuda"),
+            "--criu", os.environ["DYNSNAP_CRIU"], "--tcp-established", "false", "--network-lock", ""]
+    for k, v in driver.env().items():
+        argv += ["--cuda-env", f"{k}={v}"]
+    argv += ["exec", action, "--pod-uid", uid, "--entrypoint-pid", str(c.entrypoint), "--tier", tier, *extra]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return r.returncode, lines
+
+
+@pytest.mark.parametrize("tier", ["suspend", "snapshot"])
+def test_exec_captures_and_wakes_without_kubernetes(container: tuple[Container, StubDriver], tmp_path: Path,
+                                                   tier: str) -> None:
+    c, driver = container
+    uid = str(uuid.uuid4())
+    rc, out = _exec(tmp_path, driver, c, uid, "capture", tier, "--quiesced")
+    assert rc == 0 and out[-1]["outcome"] == "ok" and out[-1]["state"] == "Suspended", out
+    steps = [o["step"] for o in out[:-1]]
+    assert steps == (["quiesce", "save", "settle-suspended"] if tier == "suspend"
+                     else ["quiesce", "save", "dump", "seal", "settle-snapshotted"])
+    before = c.count()
+    time.sleep(0.3)
+    if tier == "snapshot":
+        assert c.count() == before, "the dumped tree is gone: it does not count while asleep"
+        assert any((tmp_path / "images").rglob("core-*.img"))
+    assert 2 in driver.states().values()  # checkpointed (the stub driver)
+    rc, out = _exec(tmp_path, driver, c, uid, "wake", tier)
+    assert rc == 0 and out[-1]["outcome"] == "ok" and out[-1]["state"] == "Active", out
+    assert c.counting() and c.count() > before
+    assert set(driver.states().values()) == {0}  # every GPU process running again
+    assert not any((tmp_path / "images").rglob("*.img")), "the woken-from images are deleted"
+
+
+def test_exec_refuses_a_capture_not_confirmed_out_of_serving(container: tuple[Container, StubDriver],
+                                                             tmp_path: Path) -> None:
+    c, driver = container
+    rc, out = _exec(tmp_path, driver, c, str(uuid.uuid4()), "capture", "suspend")
+    assert rc == 1 and out[-1]["error"]["reason"] == "WorkerServing" and out[-1]["state"] == "Active", out
+    assert out[-1]["error"]["changed"] is False and not driver.calls()
+    assert c.counting()
