@@ -279,7 +279,10 @@ class NodeAgent:
             log.exception("%s: step %s", ws.key, step)
             return await self._failed(ws, status, step, StepFailure(Reason.INTERRUPTED, f"{type(e).__name__}: {e}"))
         self._record(status, step, result)
-        if step in FINAL_STEPS or step == Step.SETTLE_ACTIVE:
+        if step in FINAL_STEPS or (step == Step.SETTLE_ACTIVE and ws.spec.desired_state == DesiredState.ACTIVE):
+            # A settle-active that ends the rollback of a failed capture (Suspended still wanted) is no
+            # success: the failure stays on record, so the backoff holds and grows. Cleared there, the
+            # capture was retried at once, in a loop without backoff while the fault lasted.
             status.consecutive_failures = 0
             status.last_error = None
             status.conditions = set_condition(status.conditions, CT.DEGRADED, False, Reason.RECOVERED, "",
