@@ -23,6 +23,7 @@ directories, a helper still running, an entrypoint mid-request) is finished or r
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,7 +34,7 @@ from dynsnap.agent import idle as I
 from dynsnap.agent import worker as W
 from dynsnap.agent.executor import Executor, Observation, StepFailure, StepResult, Subject
 from dynsnap.agent.images import new_capture_id
-from dynsnap.agent.plan import CAPTURE_STEPS, Step
+from dynsnap.agent.plan import CAPTURE_STEPS, WAKE_STEPS, Step
 from dynsnap.agent.settings import AgentSettings
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import ApiError, NotFound
@@ -60,6 +61,10 @@ from dynsnap.runtime.workqueue import WorkQueue, run_workers
 log = logging.getLogger(__name__)
 
 FINAL_STEPS = {Step.SETTLE_SUSPENDED: ObservedState.SUSPENDED, Step.SETTLE_SNAPSHOTTED: ObservedState.SUSPENDED}
+
+
+def _open(rec: OperationRecord | None) -> bool:
+    return rec is not None and rec.finished is None
 
 
 def pod_serving_gate(pod: Obj) -> str | None:
@@ -122,6 +127,8 @@ class NodeAgent:
     # key -> a status a step produced that could not be written (API server away): the next
     # reconcile builds on it and writes it, so no step's record is lost to an outage
     _unwritten: dict[str, WorkerSnapshotStatus] = field(default_factory=dict)
+    # key -> when this agent began waiting for a helper an earlier agent left running (monotonic)
+    _waiting: dict[str, float] = field(default_factory=dict)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -214,8 +221,14 @@ class NodeAgent:
         step = self.executor.next_step(obs, want=want, tier=tier)
         status = ws.status.model_copy(deep=True)
         status = self._accepted(ws, status)
+        waited = self._waiting.pop(key, None) if step != Step.WAIT_HELPER else None
+        if waited is not None:  # the helper this agent waited for is gone
+            self._end_wait(status, time.monotonic() - waited)
         if step == Step.NONE:
             status = self._settled(ws, status, obs, want)
+            asleep = self._close_settled(status, obs)
+            if asleep is not None:
+                await self._finish(ws, status, asleep=asleep)
             again = await self._idle(ws, status, pod, obs)
             await self._write(ws, status)
             if backoff_left is not None:
@@ -261,15 +274,27 @@ class NodeAgent:
 
     async def _do(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, subject: Subject, obs: Observation,
                   step: Step, *, tier: Tier, want: DesiredState, pod: Obj) -> float | None:
-        capture_id = status.last_capture.id if status.last_capture and status.last_capture.finished is None else None
         if step == Step.QUIESCE and obs.worker.state == P.EntrypointState.ACTIVE:
-            capture_id = new_capture_id()
-            status.last_capture = OperationRecord(id=capture_id, tier=tier, started=utcnow())
+            status.last_capture = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
             status.image = None
         elif step == Step.WAKE:
             status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+        else:
+            self._adopt(status, obs, step, tier=tier, want=want)
+        capture_id = status.last_capture.id if status.last_capture and _open(status.last_capture) else None
         if step in (Step.WAIT_HELPER,):
             status.state = obs.state
+        if step == Step.GPU_ROLLBACK and status.last_error is None and (
+                want == DesiredState.SUSPENDED or obs.worker.state == P.EntrypointState.ACTIVE
+                or any(s in ("locked", "failed") for s in obs.gpu_states.values())):
+            # No failure was recorded, yet GPU processes are mid-way with no helper running for them: the
+            # agent (and its helper) died during a save. Named, not silently redone.
+            stuck = {str(p): s for p, s in obs.gpu_states.items() if s != "running"}
+            why = (f"GPU processes found {stuck} with no helper running for them: a save was interrupted (the "
+                   "agent or its dynsnap-cuda died mid-way); rolling them back to running")
+            status.conditions = set_condition(status.conditions, CT.DEGRADED, True, Reason.INTERRUPTED, why,
+                                              generation=ws.metadata.generation)
+            await self._event(ws, "Warning", Reason.INTERRUPTED, why)
         try:
             result = await self.executor.run_step(subject, obs, step, tier=tier, gate=await self._gate(pod),
                                                   capture_id=capture_id)
@@ -278,17 +303,17 @@ class NodeAgent:
         except Exception as e:  # a bug or an unexpected OS error: reported, never swallowed
             log.exception("%s: step %s", ws.key, step)
             return await self._failed(ws, status, step, StepFailure(Reason.INTERRUPTED, f"{type(e).__name__}: {e}"))
-        self._record(status, step, result)
+        if step != Step.WAIT_HELPER or ws.key not in self._waiting:
+            # One entry for the whole wait: an entry per look would change status on every look, and
+            # each write would start the next reconcile at once (a status write storm while CRIU runs).
+            self._record(status, step, result)
+        if step == Step.WAIT_HELPER:
+            self._waiting.setdefault(ws.key, time.monotonic() - result.seconds)
         if step in FINAL_STEPS or (step == Step.SETTLE_ACTIVE and ws.spec.desired_state == DesiredState.ACTIVE):
             # A settle-active that ends the rollback of a failed capture (Suspended still wanted) is no
             # success: the failure stays on record, so the backoff holds and grows. Cleared there, the
             # capture was retried at once, in a loop without backoff while the fault lasted.
-            status.consecutive_failures = 0
-            status.last_error = None
-            status.conditions = set_condition(status.conditions, CT.DEGRADED, False, Reason.RECOVERED, "",
-                                              generation=ws.metadata.generation)
-            await self._event(ws, "Normal", Reason.SUSPENDED if step in FINAL_STEPS else Reason.ACTIVE,
-                              self._done_note(status, step))
+            await self._finish(ws, status, asleep=step in FINAL_STEPS)
         elif step in (Step.QUIESCE, Step.WAKE):
             await self._event(ws, "Normal", Reason.CAPTURING if step == Step.QUIESCE else Reason.WAKING,
                               f"{step.value} ({tier.value})")
@@ -298,13 +323,64 @@ class NodeAgent:
         await self._write(ws, status)
         return 0.0 if step != Step.WAIT_HELPER else 1.0
 
-    def _done_note(self, status: WorkerSnapshotStatus, step: Step) -> str:
-        rec = status.last_capture if step in FINAL_STEPS else status.last_wake
+    async def _finish(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, *, asleep: bool) -> None:
+        """A capture (``asleep``) or a wake reached its state: failures are behind it. Degraded says
+        what was recovered from, if anything was."""
+        prior = next((c for c in status.conditions if c.type == CT.DEGRADED.value and c.status == "True"), None)
+        note = f"recovered from {prior.reason}: {prior.message}" if prior is not None else ""
+        status.consecutive_failures = 0
+        status.last_error = None
+        status.conditions = set_condition(status.conditions, CT.DEGRADED, False, Reason.RECOVERED, note,
+                                          generation=ws.metadata.generation)
+        await self._event(ws, "Normal", Reason.SUSPENDED if asleep else Reason.ACTIVE,
+                          self._done_note(status, asleep=asleep))
+
+    def _done_note(self, status: WorkerSnapshotStatus, *, asleep: bool) -> str:
+        rec = status.last_capture if asleep else status.last_wake
         if rec is None:
-            return step.value
+            return "asleep" if asleep else "active"
         total = sum(s.seconds for s in rec.steps)
         steps = ", ".join(f"{s.name} {s.seconds:.2f}s" for s in rec.steps)
-        return f"{'captured' if step in FINAL_STEPS else 'woken'} in {total:.2f}s ({steps})"
+        return f"{'captured' if asleep else 'woken'} in {total:.2f}s ({steps})"
+
+    @staticmethod
+    def _adopt(status: WorkerSnapshotStatus, obs: Observation, step: Step, *, tier: Tier,
+               want: DesiredState) -> None:
+        """Open a record for a capture or wake that an agent which died started. Quiesce and wake open
+        theirs, but status is written only after the entrypoint acknowledged them: an agent killed in
+        between leaves the operation under way and no record of it. This agent's steps then go into a
+        record of their own, so their outcome is reported, not lost."""
+        if _open(status.last_capture) or _open(status.last_wake):
+            return
+        if step in CAPTURE_STEPS and want == DesiredState.SUSPENDED:
+            status.last_capture = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+            status.image = None
+        elif step in WAKE_STEPS and obs.worker.state == P.EntrypointState.RESTORING:
+            status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+
+    @staticmethod
+    def _close_settled(status: WorkerSnapshotStatus, obs: Observation) -> bool | None:
+        """Close the open record of an operation the worker has completed with nothing left to do: the
+        entrypoint applied the last request (suspended, snapshotted, active) of an agent that died
+        before recording it. Returns whether the closed one was a capture; None when none was open."""
+        if obs.state == ObservedState.SUSPENDED and _open(status.last_capture) and not _open(status.last_wake):
+            rec, asleep = status.last_capture, True
+        elif obs.state == ObservedState.ACTIVE and _open(status.last_wake):
+            rec, asleep = status.last_wake, False
+        else:
+            return None
+        assert rec is not None
+        rec.finished = utcnow()
+        rec.ok = True
+        return asleep
+
+    @staticmethod
+    def _end_wait(status: WorkerSnapshotStatus, seconds: float) -> None:
+        """The wait for a helper is over: its one entry in the open record gets the time it took."""
+        for rec in (status.last_wake, status.last_capture):
+            if _open(rec) and rec is not None and rec.steps and rec.steps[-1].name == Step.WAIT_HELPER.value:
+                rec.steps[-1].seconds = round(max(seconds, 0.0), 4)
+                return
 
     async def _reobserve(self, subject: Subject) -> Observation | None:
         try:
