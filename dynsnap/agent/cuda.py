@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dynsnap.models.ids import HostPid
@@ -26,6 +27,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NOMEM = 3
 EXIT_NODRIVER = 4
+DEFAULT_STATE_DIR = "/run/dynsnap-cuda"  # dynsnap-cuda's own default for DYNSNAP_CUDA_STATE_DIR
 
 
 class CudaError(RuntimeError):
@@ -121,6 +123,28 @@ class CudaHelper:
         if rc != 0:
             return []
         return [GpuFree(int(r["index"]), str(r["uuid"]), r.get("free")) for r in records]
+
+    def freed(self, pids: Sequence[HostPid]) -> dict[str, int]:
+        """What the checkpoints that left ``pids`` checkpointed freed, bytes per GPU UUID, from the
+        helper's own records (``<DYNSNAP_CUDA_STATE_DIR>/<pid>``: ``group <call>``, then ``<uuid>
+        <bytes>`` lines, written by each save for every pid it checkpointed, dropped by a restore). A
+        call that checkpointed several of the pids measured their sum: it is counted once."""
+        state_dir = Path(self.env.get("DYNSNAP_CUDA_STATE_DIR") or DEFAULT_STATE_DIR)
+        out: dict[str, int] = {}
+        groups: set[str] = set()
+        for pid in pids:
+            try:
+                lines = (state_dir / str(pid)).read_text().splitlines()
+            except OSError:
+                continue  # no record: that process's checkpoint freed nothing the helper could measure
+            if not lines or not lines[0].startswith("group ") or lines[0] in groups:
+                continue
+            groups.add(lines[0])
+            for line in lines[1:]:
+                uuid, _, size = line.partition(" ")
+                if size.strip().isdigit():
+                    out[uuid] = out.get(uuid, 0) + int(size)
+        return out
 
     async def rollback(self, pids: Sequence[HostPid], *, marker: str | None = None) -> dict[HostPid, str]:
         """Bring every pid back to ``running`` from wherever a failed save left it: restore and

@@ -235,16 +235,7 @@ class Executor:
         after = await self._gpu_free()
         info["helper"] = records
         info["gpus"] = _before_after(before, after)
-        # What the checkpoint freed per GPU: a snapshot wake checks the GPUs have it again before
-        # restoring (the helper's own record is keyed by host pid, which a CRIU restore changes).
-        freed = {g["uuid"]: g["freeAfter"] - g["freeBefore"] for g in info["gpus"]
-                 if g.get("freeAfter") is not None and g.get("freeBefore") is not None
-                 and g["freeAfter"] > g["freeBefore"]}
-        self._freed_path(subject.uid).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._freed_path(subject.uid).write_text(json.dumps(freed))
-
-    def _freed_path(self, uid: PodUID) -> Path:
-        return self.settings.state_dir / f"freed-{uid}.json"
+        info["pids"] = self._pids(obs.worker)  # also when an earlier agent's quiesce went unrecorded
 
     async def _gpu_rollback(self, subject: Subject, obs: Observation, *, info: dict[str, Any], **_: Any) -> None:
         try:
@@ -280,10 +271,11 @@ class Executor:
         (staging / PIDS_FILE).write_text(json.dumps({"root": root, "started": w.info.get("started"), "pids": pids}))
         info["pids"] = pids
         info["staging"] = str(staging)
-        try:
-            (staging / GPU_FILE).write_text(self._freed_path(subject.uid).read_text())
-        except OSError:
-            (staging / GPU_FILE).write_text("{}")
+        # What the checkpoint freed per GPU: a snapshot wake checks the GPUs have it again before
+        # restoring. Read now from the helper's own records, keyed by host pid (a CRIU restore changes
+        # them) and written by the helper itself: right also when the agent that ran the save died
+        # before it learnt the outcome, and never a figure left from an earlier capture.
+        (staging / GPU_FILE).write_text(json.dumps(self.cuda.freed(list(obs.gpu_states))))
         try:
             res = await criu_dump(NamespaceTarget(w.entrypoint), root, staging, opts=self._criu_opts(subject),
                                   timeout=self.settings.criu_timeout)
