@@ -1,0 +1,548 @@
+"""The node agent under failing parts (issue 8's fault matrix): CRIU failing, the CUDA helper hanging
+past its bound and a lock that never comes back, a full disk, a GPU process missing from the images,
+a restore whose pid is taken, the pod deleted mid-capture. Each test causes the fault for real (or
+through a named fake where it cannot be had on demand), asserts the Reason and the error text the
+agent reports for it, and ends with the worker running or restorable: the entrypoint active (or
+asleep with its images kept), every GPU process running in the (stub) driver, no process stopped,
+no half-written image left to be reused, and a request pinned to the worker answered by it.
+
+The agent (node-a's; every worker of the module runs there) runs as its own process with short
+bounds: ``--failure-backoff 1``, ``--helper-timeout 3``, ``--lock-timeout-ms 1000``,
+``--gc-interval 2``, and fake_held_criu as its ``--criu`` (it runs the real CRIU; it only holds back
+the exit of a dump when a test asks it to).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agentenv import (
+    AGENT_NS,
+    AGENT_SA,
+    AgentProc,
+    StubDriver,
+    build_stub_driver,
+    condition,
+    deploy_serving,
+    eventually,
+    install_dynsnap,
+    quiesce,
+    set_desired,
+    state_is,
+    token_kubeconfig,
+    wait_ws,
+    worker_component,
+    ws_body,
+)
+from faultsenv import (
+    HeldCriu,
+    assert_running,
+    debugger_attached,
+    ep_info,
+    error_is,
+    fault_worker,
+    fd_holder,
+    free_inodes,
+    gpu_states,
+    helpers_running,
+    image_entries,
+    io_uring_fds,
+    io_uring_maps,
+    maps_cuda,
+    occupy_pid,
+    pod_image_dir,
+    pod_procs,
+    restart_agent,
+    stopped,
+    stub_calls,
+    tmpfs,
+)
+
+from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import NODES, LocalCluster, RunningPod
+
+pytestmark = pytest.mark.cluster
+
+HOLDER = "dynsnap-faults-holder"  # the abstract socket of the plain worker's fd holder
+NODE = NODES[0]  # every replica 0 runs there (testenv.dynamo.deploy)
+
+
+@dataclass
+class Env:
+    cluster: LocalCluster
+    graph: D.Graph
+    fe: D.FrontendClient
+    agent: AgentProc
+    driver: StubDriver
+    held: HeldCriu
+    work: Path
+    base: list[str]  # the agent's extra flags for this module
+    ids: dict[str, int]
+    small_root: Path  # tmpfs of 8 MiB (row 3)
+    full_root: Path  # tmpfs with room for bytes but 16 inodes (row 3)
+
+    def pod(self, component: str) -> RunningPod:
+        return self.graph.workers(component)[0]
+
+    @property
+    def api(self) -> Any:
+        return self.cluster.api
+
+
+@pytest.fixture(scope="module")
+async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
+    work = Path(tempfile.mkdtemp(prefix="dynsnap-faults-"))
+    driver = build_stub_driver(work / "stubcuda")
+    held = HeldCriu.install(work)
+    base = ["--failure-backoff", "1", "--helper-timeout", "3", "--lock-timeout-ms", "1000", "--gc-interval", "2",
+            "--criu", str(held.path)]
+    await install_dynsnap(cluster)
+    kubeconfig = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
+    agent = AgentProc(NODE, kubeconfig, work / NODE, driver, extra=list(base))
+    with contextlib.ExitStack() as mounts:
+        # Mounted before the pods start: CRIU writes the images from inside the pod's mount namespace,
+        # a copy of the node's taken when the pod started (mounts made later do not reach it).
+        small_root = mounts.enter_context(tmpfs(work / "small-images", "size=8m,mode=0700"))
+        full_root = mounts.enter_context(tmpfs(work / "full-images", "size=1g,nr_inodes=16,mode=0700"))
+        g = await deploy_serving(cluster, D.dgd("flt", [
+            D.frontend_component(),
+            fault_worker("plain", driver, launcher=["--fd-holder", HOLDER]),  # rows 1 (io_uring, CRIU), 2, 3, 5
+            fault_worker("noseccomp", driver, entrypoint=["--no-seccomp"]),  # row 1 (seccomp off)
+            fault_worker("orphan", driver, launcher=["--orphan-gpu"]),  # rows 2 (lock), 4
+            worker_component("victim", replicas=1, driver=driver),  # row 6: its pod is deleted
+        ]))
+        fe = D.FrontendClient(g.frontend)
+        try:
+            await agent.start()
+            await fe.wait_model()
+            ids = {}
+            for comp in ("plain", "noseccomp", "orphan", "victim"):
+                pod = g.workers(comp)[0]
+                ids[pod.name] = await D.instance_id(cluster, pod)
+                await fe.wait_routable(ids[pod.name])
+            yield Env(cluster, g, fe, agent, driver, held, work, base, ids, small_root, full_root)
+        finally:
+            held.release()
+            await fe.close()
+            await agent.stop()
+            await D.teardown(cluster, g)
+
+
+# -- shared steps ---------------------------------------------------------------------------------------
+
+async def _wait(env: Env, pod: RunningPod, what: str, check: Any, timeout: float = 120) -> Obj:
+    ws: Obj = await wait_ws(env.api, pod, what, check, timeout=timeout, agents=[env.agent])
+    return ws
+
+
+async def _start(env: Env, pod: RunningPod, tier: str) -> None:
+    """A WorkerSnapshot for the worker, Active and accepted; then the worker is quiesced and asked to sleep."""
+    await env.api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier=tier))
+    await _wait(env, pod, "Accepted, Active", state_is("Active"))
+    await quiesce(env.cluster, pod, serving=False)
+    await set_desired(env.api, pod, "Suspended")
+
+
+async def _pinned(env: Env, pod: RunningPod, n: int = 2) -> None:
+    wid = env.ids[pod.name]
+    await env.fe.wait_routable(wid)
+    for i in range(n):
+        res = await env.fe.chat(f"after the fault {i}", worker_id=wid)
+        assert res.status == 200 and res.worker_id == wid, res.body
+
+
+async def _back_to_serving(env: Env, pod: RunningPod) -> Obj:
+    """Active wanted: the worker back Active (Suspended False), in serving again, pinned requests served."""
+    await set_desired(env.api, pod, "Active")
+    ws = await _wait(env, pod, "Active", state_is("Active", suspended=False))
+    assert_running(pod, env.driver)
+    await quiesce(env.cluster, pod, serving=True)
+    await _pinned(env, pod)
+    return ws
+
+
+async def _finish(env: Env, pod: RunningPod) -> None:
+    """Best-effort end of a test: Active wanted, in serving, the WorkerSnapshot deleted."""
+    with contextlib.suppress(NotFound):
+        await set_desired(env.api, pod, "Active")
+        with contextlib.suppress(TimeoutError):
+            await _wait(env, pod, "Active", state_is("Active"), timeout=60)
+    with contextlib.suppress(Exception):
+        await quiesce(env.cluster, pod, serving=True)
+    with contextlib.suppress(NotFound):
+        await env.api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+    env.driver.clear_faults()
+
+
+def _degraded(ws: Obj, reason: str) -> Obj:
+    cond = condition(ws, "Degraded")
+    assert cond is not None and cond["status"] == "True" and cond["reason"] == reason, cond
+    err = (ws.get("status") or {}).get("lastError") or {}
+    print(f"\n[{reason}] step {err.get('step')}: {cond['message'][-600:]}")  # shown with -s: what an operator reads
+    return cond
+
+
+def _nothing_changed(env: Env, pod: RunningPod, ws: Obj, lock_calls_before: dict[int, int]) -> None:
+    """A refusal before any change: the capture ended at its first step, the worker active, not one
+    driver call that changes a state, no image."""
+    cap = ws["status"]["lastCapture"]
+    assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce"], cap
+    assert_running(pod, env.driver)
+    for pid, n in lock_calls_before.items():
+        assert len(stub_calls(env.driver, "cuCheckpointProcessLock", pid)) == n, "the driver was asked to lock"
+    assert image_entries(env.agent, pod) == []
+
+
+def host_alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def _lock_calls(env: Env, pod: RunningPod) -> dict[int, int]:
+    return {pid: len(stub_calls(env.driver, "cuCheckpointProcessLock", pid)) for pid in gpu_states(env.driver, pod)}
+
+
+# -- row 1: CRIU failing; io_uring --------------------------------------------------------------------
+
+async def test_seccomp_off_worker_holding_io_uring_is_refused_before_any_change(env: Env) -> None:
+    pod = env.pod("noseccomp")
+    info = ep_info(pod)
+    assert info["seccomp"] == "off"
+    # Allowed io_uring, Dynamo's runtime takes a ring (the cause CRIU could not dump).
+    rings = {p.pid: io_uring_fds(p.pid) for p in pod_procs(pod) if io_uring_fds(p.pid)}
+    assert rings, "the mocker holds an io_uring ring when the entrypoint does not refuse it"
+    before = _lock_calls(env, pod)
+    try:
+        await _start(env, pod, "snapshot")
+        ws = await _wait(env, pod, "SeccompOff", error_is("SeccompOff", step="quiesce"))
+        err = ws["status"]["lastError"]
+        assert "io_uring filter is 'off'" in err["message"] and "CRIU cannot dump io_uring" in err["message"]
+        _degraded(ws, "SeccompOff")
+        _nothing_changed(env, pod, ws, before)
+        await _back_to_serving(env, pod)
+    finally:
+        await _finish(env, pod)
+
+
+async def test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapped_one(env: Env) -> None:
+    """With the filter on, a ring can still reach the worker: made by a process of the pod outside the
+    filter and copied in with pidfd_getfd(2) (the kernel refuses to pass one over a unix socket).
+    Held as a descriptor, the preflight refuses it (IoUringInUse, nothing changed). Held only as a
+    mapping (its descriptor closed, as liburing's io_uring_close_ring_fd allows), the preflight,
+    which looks at descriptors, does not see it, and CRIU's own dump fails on it: CRIU resumes the
+    tree, the agent names the cause from CRIU's log (IoUringInUse) and rolls the worker back."""
+    pod = env.pod("plain")
+    assert ep_info(pod)["seccomp"] == "on"
+    answer = fd_holder(pod, HOLDER, "hold")
+    holder = answer["pid"]  # in the pod's namespace
+    holder_host = pod.sandbox.host_pid(holder)
+    assert holder_host is not None and io_uring_fds(holder_host)
+    before = _lock_calls(env, pod)
+    try:
+        await _start(env, pod, "snapshot")
+        ws = await _wait(env, pod, "IoUringInUse (preflight)", error_is("IoUringInUse", step="quiesce"))
+        err = ws["status"]["lastError"]
+        assert "processes holding io_uring" in err["message"] and str(holder_host) in err["message"], err
+        _degraded(ws, "IoUringInUse")
+        _nothing_changed(env, pod, ws, before)
+
+        answer = fd_holder(pod, HOLDER, "map")
+        assert answer["mapped"] == 1 and answer["held"] == []
+        assert not io_uring_fds(holder_host) and io_uring_maps(holder_host)
+        # The next attempt (after the backoff) passes the preflight; CRIU's dump fails on the ring.
+        ws = await _wait(env, pod, "IoUringInUse (CRIU)", error_is("IoUringInUse", step="dump"))
+        err = ws["status"]["lastError"]
+        assert "CRIU dump failed (io_uring)" in err["message"], err
+        assert "anon_inode:[io_uring]" in err["message"], err
+        _degraded(ws, "IoUringInUse")
+        assert ws["status"]["lastCapture"]["ok"] is False
+        assert [s["name"] for s in ws["status"]["lastCapture"]["steps"]] == ["quiesce", "save", "dump"]
+        await _back_to_serving(env, pod)
+        assert not any(n.startswith(P.STAGING_PREFIX) for n in image_entries(env.agent, pod)), \
+            "the failed dump's staging directory is removed, never reused"
+        assert host_alive(holder_host), "CRIU resumed the tree it could not dump: the same processes run"
+    finally:
+        with contextlib.suppress(Exception):
+            fd_holder(pod, HOLDER, "release")
+        await _finish(env, pod)
+
+
+async def test_criu_cannot_dump_a_traced_worker_and_the_worker_is_rolled_back(env: Env) -> None:
+    """A debugger attached to the worker (gdb, py-spy): CRIU cannot seize a traced task. The dump
+    fails (DumpFailed, CRIU's own message), CRIU leaves the tree running, the agent brings the GPU
+    processes back and the worker back in service; the staging directory is removed."""
+    pod = env.pod("plain")
+    root = pod.sandbox.host_pid(ep_info(pod)["worker_pid"])
+    assert root is not None
+    try:
+        async with debugger_attached(root) as tracer:
+            assert f"TracerPid:\t{tracer}" in Path(f"/proc/{root}/status").read_text()
+            await _start(env, pod, "snapshot")
+            ws = await _wait(env, pod, "DumpFailed", error_is("DumpFailed", step="dump"))
+            err = ws["status"]["lastError"]
+            assert "CRIU dump failed" in err["message"], err
+            assert re.search(rf"Unable to interrupt task: {ep_info(pod)['worker_pid']} \(Operation not permitted\)",
+                             err["message"]), err
+            _degraded(ws, "DumpFailed")
+            await _back_to_serving(env, pod)
+            assert host_alive(root), "CRIU left the tree running: the same worker process serves"
+            assert not any(n.startswith(P.STAGING_PREFIX) for n in image_entries(env.agent, pod))
+    finally:
+        await _finish(env, pod)
+
+
+# -- row 2: the helper hanging past its bound; a lock that never comes back ----------------------------
+
+async def test_helper_hanging_past_its_bound_is_killed_rolled_back_and_retried(env: Env) -> None:
+    """The driver's checkpoint hangs longer than --helper-timeout (3 s): the agent kills dynsnap-cuda,
+    reports HelperTimeout, brings every GPU process back to running and the worker back Active while
+    the backoff lasts; once the driver answers again, a later attempt captures the worker."""
+    pod = env.pod("plain")
+    gpu = list(assert_running(pod, env.driver))
+    unlocks = {p: len(stub_calls(env.driver, "cuCheckpointProcessUnlock", p)) for p in gpu}
+    env.driver.control("hang cuCheckpointProcessCheckpoint * 30000")
+    try:
+        await _start(env, pod, "suspend")
+        ws = await _wait(env, pod, "HelperTimeout", error_is("HelperTimeout", step="save"))
+        err = ws["status"]["lastError"]
+        assert "dynsnap-cuda --action save" in err["message"] and "no exit within 3.0 s; killed" in err["message"], err
+        _degraded(ws, "HelperTimeout")
+        assert ws["status"]["consecutiveFailures"] >= 1
+
+        async def rolled_back() -> Obj | None:
+            """Active during the backoff, the failure still on record, every GPU process running."""
+            cur: Obj = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+            st = cur.get("status") or {}
+            if st.get("state") != "Active" or (st.get("lastError") or {}).get("reason") != "HelperTimeout":
+                return None
+            if ep_info(pod)["state"] != "active" or set(gpu_states(env.driver, pod).values()) != {"running"}:
+                return None
+            return cur
+        ws = await eventually("the worker rolled back to Active within the backoff", rolled_back, timeout=120)
+        _degraded(ws, "HelperTimeout")
+        assert not stopped(pod)
+        assert not helpers_running(pod.uid), "the hung helper was killed"
+        for p in gpu:  # each was locked by the killed save, and unlocked by the rollback
+            assert len(stub_calls(env.driver, "cuCheckpointProcessUnlock", p)) > unlocks[p]
+        env.driver.clear_faults()
+        ws = await _wait(env, pod, "Suspended on a later attempt", state_is("Suspended", suspended=True))
+        st = ws["status"]
+        assert st["lastCapture"]["ok"] is True
+        assert [s["name"] for s in st["lastCapture"]["steps"]] == ["quiesce", "save", "settle-suspended"]
+        assert "lastError" not in st and st.get("consecutiveFailures", 0) == 0
+        assert set(gpu_states(env.driver, pod).values()) == {"checkpointed"}
+        await _back_to_serving(env, pod)
+    finally:
+        await _finish(env, pod)
+
+
+async def test_lock_that_never_comes_back_fails_the_capture_and_unlocks_the_others(env: Env) -> None:
+    """One GPU process's lock does not come back within --lock-timeout-ms (the driver answers
+    CUDA_ERROR_NOT_READY): CheckpointFailed with the driver's error, the process locked before it
+    unlocked again, nothing checkpointed, the worker back in service."""
+    pod = env.pod("orphan")  # two GPU processes: the worker and its daemonized helper
+    gpu = sorted(assert_running(pod, env.driver))  # the helper locks them in this order
+    assert len(gpu) == 2
+    first, second = gpu
+    checkpoints = len(stub_calls(env.driver, "cuCheckpointProcessCheckpoint", first))
+    env.driver.control(f"hang cuCheckpointProcessLock {second} 30000")
+    try:
+        await _start(env, pod, "suspend")
+        ws = await _wait(env, pod, "CheckpointFailed", error_is("CheckpointFailed", step="save"))
+        err = ws["status"]["lastError"]
+        assert "CUDA_ERROR_NOT_READY" in err["message"], err
+        _degraded(ws, "CheckpointFailed")
+        assert stub_calls(env.driver, "cuCheckpointProcessLock", first)[-1].endswith("timeout=1000 rc=0")
+        assert stub_calls(env.driver, "cuCheckpointProcessLock", second)[-1].endswith("timeout=1000 rc=600")
+        assert stub_calls(env.driver, "cuCheckpointProcessUnlock", first)[-1].endswith("rc=0"), \
+            "the lock taken before the one that timed out was rolled back"
+        assert len(stub_calls(env.driver, "cuCheckpointProcessCheckpoint", first)) == checkpoints, \
+            "nothing was checkpointed"
+        await _back_to_serving(env, pod)
+    finally:
+        await _finish(env, pod)
+
+
+# -- row 3: a full disk ---------------------------------------------------------------------------------
+
+async def test_capture_over_the_disk_budget_is_refused_before_it_starts(env: Env) -> None:
+    pod = env.pod("plain")
+    before = _lock_calls(env, pod)
+    root = env.small_root
+    try:
+        await restart_agent(env.agent, [*env.base, "--images-root", str(root), "--images-budget-bytes", str(4 << 20)])
+        await _start(env, pod, "snapshot")
+        ws = await _wait(env, pod, "DiskBudgetExceeded", error_is("DiskBudgetExceeded", step="quiesce"))
+        err = ws["status"]["lastError"]
+        assert re.search(r"capture estimated at \d+ MiB; images on this node use 0 MiB of a 4 MiB budget",
+                         err["message"]), err
+        _degraded(ws, "DiskBudgetExceeded")
+        _nothing_changed(env, pod, ws, before)
+        assert image_entries(env.agent, pod, root) == []
+        await _back_to_serving(env, pod)
+    finally:
+        await _finish(env, pod)
+        await restart_agent(env.agent, env.base)
+
+
+async def test_disk_full_mid_dump_fails_with_enospc_and_rolls_back(env: Env) -> None:
+    """The images root has bytes for the estimate but runs out of space mid-dump (a tmpfs out of
+    inodes: ENOSPC, as a disk out of blocks gives): DiskFull with CRIU's ENOSPC, the worker rolled back
+    and serving, the staging directory removed (never reused)."""
+    pod = env.pod("plain")
+    root = env.full_root
+    try:
+        await restart_agent(env.agent, [*env.base, "--images-root", str(root)])
+        await _start(env, pod, "snapshot")
+        ws = await _wait(env, pod, "DiskFull", error_is("DiskFull", step="dump"))
+        err = ws["status"]["lastError"]
+        assert "CRIU dump failed (no_space)" in err["message"], err
+        assert "No space left on device" in err["message"], err
+        _degraded(ws, "DiskFull")
+        await _back_to_serving(env, pod)
+        assert not [n for n in image_entries(env.agent, pod, root) if n.startswith(P.STAGING_PREFIX)]
+        assert free_inodes(root) > 0
+    finally:
+        await _finish(env, pod)
+        await restart_agent(env.agent, env.base)
+
+
+# -- row 4: a GPU process missing from the images -----------------------------------------------------------
+
+async def test_gpu_process_outside_the_dumped_tree_fails_the_capture_and_the_worker_comes_back(env: Env) -> None:
+    pod = env.pod("orphan")
+    procs = pod_procs(pod)
+    orphan = next(p for p in procs if p.name == "sleep")
+    assert maps_cuda(orphan.pid) and orphan.ppid == pod.sandbox.pid, \
+        "a GPU process reparented to the pod's PID 1: outside the worker tree"
+    try:
+        await _start(env, pod, "snapshot")
+        ws = await _wait(env, pod, "IncompleteCapture", error_is("IncompleteCapture", step="seal"))
+        err = ws["status"]["lastError"]
+        assert f"GPU processes missing from the images (in-namespace pids): [{orphan.ns_pid}]" in err["message"], err
+        _degraded(ws, "IncompleteCapture")
+        assert [s["name"] for s in ws["status"]["lastCapture"]["steps"]] == ["quiesce", "save", "dump", "seal"]
+        await set_desired(env.api, pod, "Active")
+        ws = await _wait(env, pod, "Active", state_is("Active", suspended=False))
+        wake = ws["status"]["lastWake"]
+        assert wake["ok"] is True and [s["name"] for s in wake["steps"]] == ["wake", "restore", "resume",
+                                                                                  "settle-active"], wake
+        # The orphan was checkpointed with the others and resumed with them (it was never dumped:
+        # its host pid is unchanged).
+        assert stub_calls(env.driver, "cuCheckpointProcessRestore", orphan.pid)[-1].endswith("rc=0")
+        assert stub_calls(env.driver, "cuCheckpointProcessUnlock", orphan.pid)[-1].endswith("rc=0")
+        assert_running(pod, env.driver)
+        await eventually("the rejected staging directory removed", lambda: _no_images(env, pod), timeout=60)
+        await quiesce(env.cluster, pod, serving=True)
+        await _pinned(env, pod)
+    finally:
+        await _finish(env, pod)
+
+
+async def _no_images(env: Env, pod: RunningPod) -> bool:
+    return image_entries(env.agent, pod) == []
+
+
+# -- row 5: a restore whose pid is taken -------------------------------------------------------------------
+
+async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free(env: Env) -> None:
+    pod = env.pod("plain")
+    try:
+        await _start(env, pod, "snapshot")
+        ws = await _wait(env, pod, "Suspended", state_is("Suspended", suspended=True))
+        image = Path(ws["status"]["image"]["path"])
+        manifest = json.loads((image / P.MANIFEST_FILE).read_text())
+        # A process of the dumped tree other than its root (the fd holder), as any process entering
+        # the namespace may land on its pid.
+        target = max(p["ns"] for p in manifest["pids"] if p["ns"] != manifest["rootNsPid"])
+        sleeper = occupy_pid(pod, target)
+        try:
+            await set_desired(env.api, pod, "Active")
+            ws = await _wait(env, pod, "PidsInUse", error_is("PidsInUse", step="restore"))
+            err = ws["status"]["lastError"]
+            assert f"the capture's pids are taken in the pod's namespace: ['{target}:sleep']" in err["message"], err
+            _degraded(ws, "PidsInUse")
+            info = ep_info(pod)
+            assert info["state"] == "restoring" and info["worker_alive"] is False
+            assert ws["status"]["state"] == "Waking"
+            assert (image / P.MANIFEST_FILE).is_file(), "the images are kept"
+            assert not (image / "restore.log").exists(), "CRIU was not called"
+        finally:
+            os.kill(sleeper, signal.SIGKILL)
+        ws = await _wait(env, pod, "Active once the pid is free", state_is("Active", suspended=False))
+        st = ws["status"]
+        assert st["lastWake"]["ok"] is True, st["lastWake"]
+        assert "lastError" not in st
+        assert "restore" in [s["name"] for s in st["lastWake"]["steps"]]
+        await quiesce(env.cluster, pod, serving=True)
+        await _pinned(env, pod)
+        assert_running(pod, env.driver)
+        await eventually("the capture woken from removed", lambda: _no_images(env, pod), timeout=60)
+    finally:
+        await _finish(env, pod)
+
+
+# -- row 6: the pod deleted mid-capture ---------------------------------------------------------------------
+
+async def test_pod_deleted_mid_capture_leaves_no_images_and_the_agent_carries_on(env: Env) -> None:
+    """The worker's pod is deleted while its capture is in flight: the dump is complete on disk but CRIU
+    has not returned to the agent (fake_held_criu holds its exit). The agent does not crash or loop,
+    the WorkerSnapshot (owned by the pod) is collected by kube-controller-manager or refused
+    PodNotFound, and the agent's image GC deletes the gone pod's images (they hold its secrets)."""
+    pod = env.pod("victim")
+    pod_dir = pod_image_dir(env.agent, pod)
+    env.held.hold(pod.uid)
+    try:
+        await _start(env, pod, "snapshot")
+        await eventually("the dump complete on disk, CRIU's exit held back",
+                         lambda: _held_dump(env, pod), timeout=120)
+        staging = [d for d in pod_dir.iterdir() if d.name.startswith(P.STAGING_PREFIX)]
+        assert len(staging) == 1 and "Dumping finished successfully" in (staging[0] / "dump.log").read_text()
+        ws = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+        assert ws["status"]["state"] == "Capturing"
+        await env.cluster.delete_pod(pod.namespace, pod.name)
+
+        async def collected_or_refused() -> str | None:
+            try:
+                cur = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+            except NotFound:
+                return "collected"
+            acc = condition(cur, "Accepted")
+            return "refused" if acc and acc["status"] == "False" and acc["reason"] == "PodNotFound" else None
+        outcome = await eventually("the WorkerSnapshot collected, or refused PodNotFound", collected_or_refused,
+                                   timeout=120)
+        print("WorkerSnapshot of the deleted pod:", outcome)
+        await eventually("the gone pod's images deleted", lambda: _dir_gone(pod_dir), timeout=60)
+        assert str(pod_dir) in env.agent.log_path.read_text(), "deleted by the agent's image GC"
+        assert env.agent.proc is not None and env.agent.proc.alive(), "the agent did not crash"
+        assert "Traceback" not in env.agent.log_path.read_text()
+    finally:
+        env.held.release()
+    # The agent carries on: another worker's WorkerSnapshot is taken up as before.
+    other = env.pod("plain")
+    await env.api.create(R.WORKER_SNAPSHOTS, ws_body(other, tier="snapshot"))
+    try:
+        await _wait(env, other, "Accepted, Active", state_is("Active"))
+    finally:
+        await env.api.delete(R.WORKER_SNAPSHOTS, other.name, namespace=other.namespace)
+
+
+async def _held_dump(env: Env, pod: RunningPod) -> bool:
+    return f"dumped {pod.uid} 0" in env.held.log()
+
+
+async def _dir_gone(path: Path) -> bool:
+    return not path.exists()
