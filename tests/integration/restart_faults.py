@@ -1,0 +1,186 @@
+"""What tests/integration/test_agent_restart.py needs to kill the node agent in the middle of one
+step and start another: the agent killed and reaped, a helper an agent started found by the
+``DYNSNAP_OP`` marker in its environment, the worker's entrypoint held (SIGSTOP) so it cannot
+acknowledge a request, the entrypoint's control files read through /proc/<pid>/root, and the
+``fake_slow_criu`` wrapper that holds a dump or a restore in flight.
+
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentenv import AgentProc, StubDriver, eventually
+
+from dynsnap.models import protocol as P
+from dynsnap.testenv.cluster import RunningPod
+
+HERE = Path(__file__).resolve().parent
+
+
+async def kill_agent(agent: AgentProc) -> None:
+    """SIGKILL the agent (AgentProc.kill: no cleanup of any kind), then reap it. Its helpers run in
+    sessions of their own and are not touched."""
+    assert agent.proc is not None and agent.proc.proc is not None
+    agent.kill()
+    await agent.proc.proc.wait()
+    agent.proc = None
+
+
+@dataclass(frozen=True)
+class Helper:
+    pid: int
+    ns_pid: int  # its pid in the innermost pid namespace it runs in (CRIU runs in the pod's)
+    name: str
+    marker: str
+
+
+def helpers(uid: str) -> list[Helper]:
+    """Processes that carry ``DYNSNAP_OP=<uid>/...`` (a CRIU, its nsenter, a dynsnap-cuda an agent
+    started for this pod), as a restarted agent finds them."""
+    out = []
+    want = f"DYNSNAP_OP={uid}/".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":" in line)
+        except OSError:
+            continue
+        marker = next((e.decode().split("=", 1)[1] for e in env if e.startswith(want)), None)
+        state = status.get("State", "X").split()[0]
+        if marker is not None and state not in ("Z", "X"):
+            out.append(Helper(int(pid), int(status["NSpid"].split()[-1]), name, marker))
+    return out
+
+
+def unhang(driver: StubDriver) -> None:
+    """Drop the stub driver's ``hang`` lines, keep the rest of its control file (``nskey``, ``mem``)."""
+    path = driver.state_dir / "control"
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                            if not line.startswith("hang ")))
+
+
+# -- the worker's entrypoint --------------------------------------------------------------------
+
+def control_dir(pod: RunningPod) -> Path:
+    """The entrypoint's control directory, reached as the agent reaches it (no volume)."""
+    return Path(f"/proc/{pod.sandbox.pid}/root") / P.ENTRYPOINT_CONTROL_DIR.lstrip("/")
+
+
+def ep_info(pod: RunningPod) -> dict[str, Any]:
+    info: dict[str, Any] = json.loads((control_dir(pod) / P.ENTRYPOINT_CONTROL_FILE).read_text())
+    return info
+
+
+def pending_request(pod: RunningPod) -> tuple[int, str] | None:
+    """The agent's last request (``SEQ STATE``), None when there is none or it is half-written."""
+    try:
+        text = (control_dir(pod) / P.ENTRYPOINT_REQUEST_FILE).read_text()
+    except OSError:
+        return None
+    parts = text.split()
+    if not text.endswith("\n") or len(parts) != 2 or not parts[0].isdigit():
+        return None
+    return int(parts[0]), parts[1]
+
+
+@contextlib.contextmanager
+def entrypoint_stopped(pod: RunningPod) -> Iterator[int]:
+    """The pod's dynsnap-entrypoint stopped (SIGSTOP): it cannot acknowledge a request until the
+    block ends (SIGCONT), whatever happens in it. Yields the request_seq it had acknowledged."""
+    seq = int(ep_info(pod).get("request_seq") or 0)
+    os.kill(pod.sandbox.pid, signal.SIGSTOP)
+    try:
+        yield seq
+    finally:
+        os.kill(pod.sandbox.pid, signal.SIGCONT)
+
+
+async def wait_request(pod: RunningPod, after: int, state: str, *, timeout: float = 60) -> int:
+    """Wait until the agent has written a request for ``state`` numbered past ``after``; its number."""
+    async def written() -> int | None:
+        req = pending_request(pod)
+        return req[0] if req is not None and req[0] > after and req[1] == state else None
+    seq: int = await eventually(f"the agent's request for {state!r} (past seq {after})", written, timeout=timeout)
+    return seq
+
+
+async def wait_ack(pod: RunningPod, seq: int, state: str, *, timeout: float = 30) -> dict[str, Any]:
+    async def acked() -> dict[str, Any] | None:
+        info = ep_info(pod)
+        return info if int(info.get("request_seq") or 0) >= seq and info.get("state") == state else None
+    info: dict[str, Any] = await eventually(f"the entrypoint's ack of {seq} {state}", acked, timeout=timeout)
+    return info
+
+
+# -- the slow CRIU --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SlowCriu:
+    """The test's copy of ``fake_slow_criu`` (see its header) and its control directory."""
+
+    path: Path
+
+    @property
+    def dir(self) -> Path:
+        return self.path.parent / "fake_slow_criu.d"
+
+    @classmethod
+    def install(cls, workdir: Path) -> SlowCriu:
+        path = workdir / "fake_slow_criu"
+        shutil.copyfile(HERE / "fake_slow_criu", path)
+        path.chmod(0o755)
+        c = cls(path)
+        c.dir.mkdir(exist_ok=True)
+        c.reset()
+        return c
+
+    def hold(self, op: str, mode: str) -> None:
+        """The next ``op`` (dump, restore) waits for :meth:`release` before (``before``) or after
+        (``after``) running the real CRIU."""
+        (self.dir / "release").unlink(missing_ok=True)
+        (self.dir / f"{op}.mode").write_text(mode)
+
+    def release(self) -> None:
+        (self.dir / "release").touch()
+
+    def reset(self) -> None:
+        for name in ("dump.mode", "restore.mode"):
+            (self.dir / name).unlink(missing_ok=True)
+        self.release()
+
+    def log(self) -> list[list[str]]:
+        try:
+            return [line.split() for line in (self.dir / "log").read_text().splitlines() if line.strip()]
+        except OSError:
+            return []
+
+    def runs(self, op: str) -> list[dict[str, Any]]:
+        """Every run of ``op`` so far: its pid, mode, argv, and what it logged after its start."""
+        out: list[dict[str, Any]] = []
+        by_pid: dict[str, dict[str, Any]] = {}
+        for words in self.log():
+            if words[0] == "start" and len(words) >= 4:
+                run = {"pid": int(words[1]), "mode": words[2], "argv": words[3:], "events": []}
+                by_pid[words[1]] = run
+                if words[3] == op:
+                    out.append(run)
+            elif len(words) >= 2 and words[1] in by_pid:
+                by_pid[words[1]]["events"].append(words[0] if words[0] != "exited" else f"exited {words[2]}")
+        return out
+
+    @staticmethod
+    def images_dir(run: dict[str, Any]) -> str:
+        argv: list[str] = run["argv"]
+        return argv[argv.index("-D") + 1]
