@@ -142,15 +142,36 @@ class Executor:
         if staging is not None:
             st = Staging(complete=dump_completed(staging), rejected=self.images.rejected(staging) is not None)
         ep_state = w.state
-        active = ep_state == EntrypointState.ACTIVE and w.worker_alive
+        alive = w.worker_alive and self._is_the_dumped_worker(w, capture, staging)
+        active = ep_state == EntrypointState.ACTIVE and alive
         try:
             any_images = bool(self.images.captures(subject.uid)) or bool(stagings)
         except ImageFormatMismatch:
             any_images = True
-        facts = Facts(ep_state=ep_state, worker_alive=w.worker_alive, gpu_states=tuple(gpu_states.values()),
+        facts = Facts(ep_state=ep_state, worker_alive=alive, gpu_states=tuple(gpu_states.values()),
                       helper_running=bool(helpers), capture=capture is not None, staging=st,
                       leftovers=active and any_images)
         return Observation(worker=w, facts=facts, gpu_states=gpu_states, capture=capture, staging=staging)
+
+    def _is_the_dumped_worker(self, w: W.WorkerProcs, capture: Capture | None, staging: Path | None) -> bool:
+        """Whether the process at the worker's pid is the worker a dump took, when one did. A process
+        that entered the pod's namespace while the worker slept can land on its pid and, orphaned,
+        be the entrypoint's child too; it does not have the worker's command line. (A worker that
+        was never dumped, or whose dump is gone, is taken as it is.)"""
+        meta: dict[str, Any] = {}
+        if capture is not None:
+            meta = capture.manifest
+        elif staging is not None:
+            try:
+                meta = json.loads((staging / PIDS_FILE).read_text())
+            except (OSError, ValueError):
+                meta = {}
+        want = meta.get("rootCmdline")
+        root = w.worker_root
+        if not want or root is None:
+            return True
+        host = next((p.pid for p in w.procs if p.ns_pid == root), None)
+        return host is not None and procfs.cmdline(host, self.proc) == want
 
     def next_step(self, obs: Observation, *, want: DesiredState, tier: Tier) -> Step:
         return plan(obs.facts, want=want, tier=tier)
@@ -268,7 +289,10 @@ class Executor:
         staging = self.images.staging(subject.namespace, subject.pod, subject.uid, capture_id or new_capture_id())
         # Resolve in-namespace pids now: the tree is gone after the dump, and CRIU names images by them.
         pids = self._pids(w)
-        (staging / PIDS_FILE).write_text(json.dumps({"root": root, "started": w.info.get("started"), "pids": pids}))
+        root_host = next((p.pid for p in w.procs if p.ns_pid == root), None)
+        cmdline = procfs.cmdline(root_host, self.proc) if root_host is not None else []
+        (staging / PIDS_FILE).write_text(json.dumps({"root": root, "rootCmdline": cmdline,
+                                                     "started": w.info.get("started"), "pids": pids}))
         info["pids"] = pids
         info["staging"] = str(staging)
         # What the checkpoint freed per GPU: a snapshot wake checks the GPUs have it again before
@@ -302,7 +326,8 @@ class Executor:
         manifest = {"captureId": staging.name.removeprefix(".staging-"), "podUID": subject.uid,
                     "namespace": subject.namespace, "pod": subject.pod, "tier": tier.value,
                     "created": datetime.now(UTC).isoformat(), "entrypointStarted": meta.get("started"),
-                    "rootNsPid": meta["root"], "pids": meta["pids"], "bytes": dir_bytes(staging),
+                    "rootNsPid": meta["root"], "rootCmdline": meta.get("rootCmdline"), "pids": meta["pids"],
+                    "bytes": dir_bytes(staging),
                     "gpuFreed": json.loads((staging / GPU_FILE).read_text())}
         capture = self.images.seal(staging, manifest)
         info["image"] = {"path": str(capture.path), "format": capture.manifest["format"],

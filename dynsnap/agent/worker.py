@@ -65,9 +65,11 @@ class WorkerProcs:
     def worker_alive(self) -> bool:
         """The worker's root process runs in the namespace, as /proc shows it now. (The control
         file's ``worker_alive`` lags: a tree CRIU restored is only adopted by the entrypoint when it
-        is asked for ``active``, and a dumped tree is only noticed when reaped.)"""
+        is asked for ``active``, and a dumped tree is only noticed when reaped.) The process at the
+        worker's pid must be the entrypoint's child: anything else there (entered into the pod's
+        namespace while the worker slept) is a squatter on its pid, not the worker."""
         root = self.worker_root
-        return root is not None and any(p.ns_pid == root for p in self.procs)
+        return root is not None and any(p.ns_pid == root and p.ppid == self.entrypoint for p in self.procs)
 
     @property
     def worker_root(self) -> NsPid | None:
