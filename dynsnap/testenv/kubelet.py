@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from dynsnap.k8s.client import Kube, Obj
-from dynsnap.k8s.errors import ApiError, NotFound
+from dynsnap.k8s.errors import ApiError, NotFound, RetryExhausted
 from dynsnap.models.resources import PODS
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class StubKubelet:
                     pod = await self.kube.get(PODS, self.name, namespace=self.namespace)
                 except NotFound:
                     return
-                except ApiError as e:
+                except (ApiError, RetryExhausted) as e:  # RetryExhausted: the API server is away; kubelet carries on
                     log.warning("stub-kubelet %s: %s", self.name, e)
                     await asyncio.sleep(1.0)
                     continue
@@ -168,3 +168,5 @@ class StubKubelet:
         except ApiError as e:  # 409: someone wrote in between; the next tick reads again
             if e.status != 409:
                 log.warning("stub-kubelet %s: status write failed: %s", self.name, e)
+        except RetryExhausted as e:  # the API server is away: the next tick writes again
+            log.warning("stub-kubelet %s: status write failed: %s", self.name, e)
