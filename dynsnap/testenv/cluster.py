@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import resources as pkg_resources
 from pathlib import Path
@@ -118,6 +119,7 @@ class LocalCluster:
     pods: dict[tuple[str, str], RunningPod] = field(default_factory=dict)
     admin_kubeconfig: Path | None = None
     pod_kubeconfig: Path | None = None
+    apiserver_args: tuple[str, ...] = ()  # extra kube-apiserver flags (ControlPlane.apiserver_args)
 
     @property
     def api(self) -> Kube:
@@ -136,7 +138,7 @@ class LocalCluster:
             shutil.rmtree(self.workdir)
         self.workdir.mkdir(parents=True, mode=0o700)
         await self.net.up()
-        self.cp = ControlPlane(self.workdir, bind_address=self.net.gateway)
+        self.cp = ControlPlane(self.workdir, bind_address=self.net.gateway, apiserver_args=self.apiserver_args)
         await self.cp.start(extra_identities={"kwok": ("kwok", ("system:masters",)),
                                               "dynamo": (DYNAMO_USER, ())})
         self.admin_kubeconfig = self.cp.kubeconfig_for("admin")
@@ -261,6 +263,12 @@ class LocalCluster:
                                       "status": {"conditions": [{"type": P.CONDITION_SERVING,
                                                                  "status": "True" if value else "False"}]}},
                              subresource="status", field_manager=P.FIELD_MANAGER)
+
+    async def restart_apiserver(self, *, while_down: Callable[[], Awaitable[object]] | None = None) -> None:
+        """Restart the API server in place (same flags, same port), awaiting ``while_down`` while it
+        is down (ControlPlane.restart_apiserver); every client must reconnect by itself."""
+        assert self.cp is not None, "cluster not started"
+        await self.cp.restart_apiserver(while_down=while_down)
 
     async def stop(self) -> None:
         for running in list(self.pods.values()):

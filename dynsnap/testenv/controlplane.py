@@ -4,7 +4,9 @@ The API server serves TLS with token authentication and RBAC on; the controller
 manager runs the EndpointSlice controller, the garbage collector, the namespace and
 service-account controllers, each under its own service account
 (``--use-service-account-credentials``), exactly as in a cluster. Identities are static
-tokens; ``kubeconfig_for`` writes a kubeconfig for any of them.
+tokens; ``kubeconfig_for`` writes a kubeconfig for any of them. ``apiserver_args`` are extra
+kube-apiserver flags (after the defaults: a repeated flag wins); ``restart_apiserver`` stops the API
+server and starts it again with the same flags and port, as a rolled control plane does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import secrets
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +52,8 @@ class ControlPlane:
     url: str = ""
     etcd_url: str = ""
     pki: Pki | None = None
+    apiserver_args: tuple[str, ...] = ()
+    apiserver: Supervised | None = None
 
     @property
     def logs_dir(self) -> Path:
@@ -139,14 +144,11 @@ class ControlPlane:
             # every other resource is cached as in a cluster.
             "--watch-cache-sizes=configmaps#0",
             "--v=1",
+            *self.apiserver_args,
         ], log_path=self.logs_dir / "kube-apiserver.log")
+        self.apiserver = apiserver
         await self._start(apiserver)
-        admin = self.identities["admin"]
-        async with httpx.AsyncClient(timeout=5.0, verify=ssl.create_default_context(cafile=str(pki.ca_cert)),
-                                     headers={"Authorization": f"Bearer {admin.token}"}) as http:
-            async def api_ok() -> bool:
-                return (await http.get(f"{self.url}/readyz")).status_code == 200
-            await apiserver.wait_ready(api_ok, timeout=180)
+        await self._apiserver_ready(timeout=180)
 
         kcm_kubeconfig = self.kubeconfig_for("kcm")
         kcm = Supervised("kube-controller-manager", [
@@ -164,6 +166,29 @@ class ControlPlane:
             "--v=1",
         ], log_path=self.logs_dir / "kube-controller-manager.log")
         await self._start(kcm)
+
+    async def _apiserver_ready(self, *, timeout: float) -> None:
+        assert self.apiserver is not None and self.pki is not None
+        admin = self.identities["admin"]
+        async with httpx.AsyncClient(timeout=5.0, verify=ssl.create_default_context(cafile=str(self.pki.ca_cert)),
+                                     headers={"Authorization": f"Bearer {admin.token}"}) as http:
+            async def api_ok() -> bool:
+                return (await http.get(f"{self.url}/readyz")).status_code == 200
+            await self.apiserver.wait_ready(api_ok, timeout=timeout)
+
+    async def restart_apiserver(self, *, while_down: Callable[[], Awaitable[object]] | None = None,
+                                timeout: float = 180) -> None:
+        """Stop the API server (SIGTERM: it closes every connection, watches included), await
+        ``while_down`` if given, and start it again with the same flags on the same port, also when
+        ``while_down`` raised; returns once it answers /readyz."""
+        assert self.apiserver is not None, "control plane not started"
+        await self.apiserver.stop()
+        try:
+            if while_down is not None:
+                await while_down()
+        finally:
+            await self.apiserver.start()
+            await self._apiserver_ready(timeout=timeout)
 
     async def compact_etcd(self) -> int:
         """Compact etcd's history up to its current revision, as the API server does every
