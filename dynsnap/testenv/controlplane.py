@@ -17,6 +17,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -54,6 +55,7 @@ class ControlPlane:
     pki: Pki | None = None
     apiserver_args: tuple[str, ...] = ()
     apiserver: Supervised | None = None
+    apiserver_started: datetime | None = None  # when the running API server process was started (UTC)
 
     @property
     def logs_dir(self) -> Path:
@@ -147,6 +149,7 @@ class ControlPlane:
             *self.apiserver_args,
         ], log_path=self.logs_dir / "kube-apiserver.log")
         self.apiserver = apiserver
+        self.apiserver_started = datetime.now(UTC)
         await self._start(apiserver)
         await self._apiserver_ready(timeout=180)
 
@@ -187,6 +190,7 @@ class ControlPlane:
             if while_down is not None:
                 await while_down()
         finally:
+            self.apiserver_started = datetime.now(UTC)
             await self.apiserver.start()
             await self._apiserver_ready(timeout=timeout)
 
