@@ -1,0 +1,153 @@
+"""What the API-server rows of the agent's fault matrix (test_agent_apiserver.py) need beyond
+agentenv.py: a local cluster of their own (its API server is restarted, and it keeps an audit log), the
+audit log read back as the watches each pod opened (URL, timeoutSeconds, when the server started and
+ended each), the API server's own end of a pod's connections, the agent's helpers found by the marker
+in their environment, and a CRIU that restores TCP connections closed (apiserver_criu_tcp_close).
+
+The cluster has its own bridge and /16 (``dsnapi0``, 10.217.0.0/16; ``DYNSNAP_TEST_APISERVER_BRIDGE``
+and ``DYNSNAP_TEST_APISERVER_CIDR`` pick another pair), so it runs beside the session's cluster.
+
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from dynsnap.agent.worker import RunningHelper, running_helpers
+from dynsnap.models.ids import PodUID
+from dynsnap.testenv.cluster import DYNAMO_USER, LocalCluster
+from dynsnap.testenv.netns import SandboxNetwork
+
+# The real CRIU with --tcp-close added to a restore (see its header).
+TCP_CLOSE_CRIU = Path(__file__).resolve().parent / "apiserver_criu_tcp_close"
+
+# Everything Dynamo's pods ask of the API server, at Metadata level (the URL, who, when; no bodies),
+# as one event when the response starts and one when it is complete: for a watch, when the server
+# opened the stream and when it ended it. Nothing else is logged.
+AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  users: [{DYNAMO_USER}]
+- level: None
+"""
+
+
+def apiserver_cluster(workdir: Path) -> tuple[LocalCluster, AuditLog]:
+    """A local cluster (not started) whose API server writes the audit log returned with it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy = workdir / "audit-policy.yaml"
+    policy.write_text(AUDIT_POLICY)
+    audit = AuditLog(workdir / "audit.log")
+    net = SandboxNetwork(bridge=os.environ.get("DYNSNAP_TEST_APISERVER_BRIDGE", "dsnapi0"),
+                         cidr=os.environ.get("DYNSNAP_TEST_APISERVER_CIDR", "10.217.0.0/16"))
+    cluster = LocalCluster(workdir / "cluster", net=net,
+                           apiserver_args=(f"--audit-policy-file={policy}", f"--audit-log-path={audit.path}"))
+    return cluster, audit
+
+
+@dataclass(frozen=True)
+class Watch:
+    """One watch request as the API server audited it."""
+
+    audit_id: str
+    resource: str  # e.g. endpointslices, dynamoworkermetadatas
+    uri: str
+    started: datetime  # the server opened the stream (ResponseStarted)
+    ended: datetime | None  # the server ended it (ResponseComplete); None while it is open
+
+    @property
+    def timeout_seconds(self) -> int | None:
+        """The ``timeoutSeconds`` the client asked for (the server ends the stream after it)."""
+        values = parse_qs(urlsplit(self.uri).query).get("timeoutSeconds")
+        return int(values[0]) if values else None
+
+    @property
+    def ends_by(self) -> datetime | None:
+        t = self.timeout_seconds
+        return self.started + timedelta(seconds=t) if t is not None else None
+
+
+@dataclass(frozen=True)
+class AuditLog:
+    path: Path
+
+    def events(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def watches(self, source_ip: str, *, since: datetime | None = None) -> list[Watch]:
+        """Every watch request from ``source_ip`` (a pod's IP) that started after ``since``, oldest first.
+        The streams an API server closed as it stopped get no ResponseComplete: ask for the watches
+        since the running server started (ControlPlane.apiserver_started) to leave those out."""
+        started: dict[str, dict[str, Any]] = {}
+        ended: dict[str, datetime] = {}
+        for e in self.events():
+            if e.get("verb") != "watch" or source_ip not in (e.get("sourceIPs") or []):
+                continue
+            if e["stage"] == "ResponseStarted":
+                started[e["auditID"]] = e
+            elif e["stage"] == "ResponseComplete":
+                ended[e["auditID"]] = datetime.fromisoformat(e["stageTimestamp"])
+        out = [Watch(audit_id=aid, resource=(e.get("objectRef") or {}).get("resource", ""), uri=e["requestURI"],
+                     started=datetime.fromisoformat(e["stageTimestamp"]), ended=ended.get(aid))
+               for aid, e in started.items()]
+        return sorted((w for w in out if since is None or w.started > since), key=lambda w: w.started)
+
+
+def helpers(uid: str, op: str) -> list[RunningHelper]:
+    """The agent's helpers (dynsnap-cuda, CRIU) running for the pod's ``op`` (save, resume, criu...)."""
+    return [h for h in running_helpers(PodUID(uid)) if h.marker == f"{uid}/{op}"]
+
+
+def server_ends(conns: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Of a pod's connections (local, remote as agentenv.established gives them), those whose other
+    end is ESTABLISHED in the host's network namespace, where the API server runs. A connection the
+    pod holds and the server does not is half-open: nothing will ever arrive on it."""
+    host = set()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) > 3 and parts[3] == "01":
+            host.add((parts[2], parts[1]))  # seen from the pod: (pod side, server side)
+    return conns & host
+
+
+def leftovers(cluster: LocalCluster) -> list[str]:
+    """What a stopped cluster left behind: its network namespaces, its bridge, processes of its workdir
+    (the session's conftest checks the same of the session's cluster)."""
+    out = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    out += [f"network namespace {line.split()[0]}" for line in netns.splitlines()
+            if line.startswith(cluster.net.netns_prefix)]
+    link = subprocess.run(["ip", "link", "show", "dev", cluster.net.bridge], capture_output=True, check=False)
+    if link.returncode == 0:
+        out.append(f"bridge {cluster.net.bridge}")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(cluster.workdir) in cmdline and int(pid) != os.getpid():
+            out.append(f"process {pid}: {cmdline[:120]}")
+    return out
+
+
+def keep_logs(workdir: Path, name: str) -> Path:
+    """Copy every log under ``workdir`` to ``$DYNSNAP_KEEP_LOGS/<name>`` (default test-logs/)."""
+    keep = Path(os.environ.get("DYNSNAP_KEEP_LOGS", "test-logs")) / name
+    for log in workdir.rglob("*.log"):
+        dest = keep / log.relative_to(workdir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, dest)
+    return keep
