@@ -42,6 +42,7 @@ from dynsnap.agent.settings import AgentSettings
 from dynsnap.models.ids import HostPid, NsPid, PodUID
 from dynsnap.models.protocol import DesiredState, EntrypointState, ObservedState, Reason, Tier
 from dynsnap.runtime import procfs
+from dynsnap.runtime.command import CommandError, find_tool, run_command
 from dynsnap.runtime.procfs import PROC
 
 log = logging.getLogger(__name__)
@@ -371,6 +372,31 @@ class Executor:
             raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.log_tail[-1500:]}") from e
         info["criuSeconds"] = res.seconds
         info["source"] = str(source)
+        slept = _seconds_since(meta.get("created"))
+        limit = self.settings.reset_apiserver_connections_after
+        if limit and slept is not None and slept > limit:
+            info["apiserverConnectionsReset"] = await self._reset_apiserver_connections(w, NsPid(res.pid))
+
+    async def _reset_apiserver_connections(self, w: W.WorkerProcs, root: NsPid) -> int:
+        """Reset the restored worker's TCP connections to the API server (``ss -K`` in the pod's network
+        namespace): after a long sleep they are half-open. Its client sees ECONNABORTED and watches again
+        at once. Best effort: a failure here leaves the worker serving, and its client's own read timeout
+        heals it later."""
+        host = procfs.host_pid_of(root, ns_inode=w.pidns, proc=self.proc)
+        if host is None:
+            return 0
+        killed = 0
+        for ip, port in W.apiserver_endpoints(host, self.proc):
+            argv = [find_tool("nsenter"), "-t", str(w.entrypoint), "-n", "--", find_tool("ss"), "-K", "-t", "-n",
+                    "dst", ip, "dport", "=", str(port)]
+            try:
+                res = await run_command(argv, timeout=10.0, check=False)
+            except CommandError as e:
+                log.warning("resetting the worker's API-server connections: %s", e)
+                continue
+            killed += sum(1 for line in res.stdout.splitlines()[1:] if line.strip())
+        log.info("reset %d connection(s) of the woken worker to the API server", killed)
+        return killed
 
     @staticmethod
     def _gpu_need(meta: dict[str, Any]) -> dict[str, int]:
@@ -421,6 +447,13 @@ class Executor:
     def _pids(self, w: W.WorkerProcs) -> list[dict[str, Any]]:
         gpu = set(w.gpu)
         return [{"host": p.pid, "ns": p.ns_pid, "gpu": p.pid in gpu} for p in w.procs]
+
+
+def _seconds_since(iso: Any) -> float | None:
+    try:
+        return (datetime.now(UTC) - datetime.fromisoformat(str(iso))).total_seconds()
+    except (TypeError, ValueError):
+        return None
 
 
 def _before_after(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -53,6 +53,13 @@ class AgentSettings(BaseModel):
         "collective must fail the capture within this, not hang it: 10 s, dynsnap-cuda's own default."))] = 10_000
     entrypoint_timeout: Annotated[float, Field(gt=0, description=(
         "Bound on the entrypoint acknowledging a state request; it looks every 100 ms."))] = 10.0
+    reset_apiserver_connections_after: Annotated[float, Field(ge=0, description=(
+        "After a snapshot wake from a sleep longer than this (seconds), the worker's connections to the API "
+        "server are reset, so its watches reconnect at once. While it slept the server went on sending (watch "
+        "bookmarks about once a minute, events, the end of a watch at the client's timeoutSeconds: 290 s for "
+        "Dynamo 1.6.1) into connections frozen in the images, then gave them up; restored as they were they are "
+        "half-open, and the worker's discovery view would stay frozen until its client's read timeout (295 s). "
+        "Other connections (the frontend's) are kept: resetting them fails a request. 0: never."))] = 30.0
     tcp_established: Annotated[bool, Field(description=(
         "Dump and restore live TCP connections (the worker's request plane and its API-server watch). In place, "
         "the pod IP is unchanged, so they come back as they were."))] = True

@@ -13,11 +13,15 @@ Layer: ``dynsnap.agent``. Everything here only reads ``/proc`` and the control f
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
 
 from dynsnap.agent.entrypoint_control import EntrypointControl, EntrypointError
 from dynsnap.models import protocol as P
@@ -237,3 +241,32 @@ def _start_ticks(pid: int, proc: Path) -> int | None:
         return int(fields[19])  # field 22 (starttime), counted after the ")" of comm
     except (IndexError, ValueError):
         return None
+
+
+def apiserver_endpoints(pid: int, proc: Path = PROC) -> list[tuple[str, int]]:
+    """The API server addresses a worker process talks to, as its sockets see them: the in-cluster
+    service (``KUBERNETES_SERVICE_HOST``/``_PORT``) and the server of a ``KUBECONFIG`` it uses (read
+    through its root). Hostnames are skipped: a socket's peer is an address."""
+    env = procfs.environ(pid, proc)
+    out: list[tuple[str, int]] = []
+    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+    if host and port and port.isdigit():
+        out.append((host.strip("[]"), int(port)))
+    if env.get("KUBECONFIG"):
+        try:
+            cfg = yaml.safe_load(procfs.root_path(pid, env["KUBECONFIG"].split(":")[0], proc).read_text())
+            for c in (cfg or {}).get("clusters") or []:
+                u = urlsplit(str((c.get("cluster") or {}).get("server", "")))
+                if u.hostname and _is_address(u.hostname):
+                    out.append((u.hostname, u.port or 443))
+        except (OSError, ValueError, yaml.YAMLError):
+            pass
+    return sorted(set(out))
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -70,7 +70,6 @@ RESUME_HANG_MS = 15_000
 WATCHED = {"endpointslices", "dynamoworkermetadatas"}  # what a Dynamo 1.6.1 worker watches (DESIGN.md 3.4)
 # kube-client 2.0.1 (Dynamo 1.6.1's Kubernetes client) gives up on a response that sent no byte for
 # this long (its default read_timeout); measured here to count from the restore.
-KUBE_RS_READ_TIMEOUT = 295
 
 
 @dataclass
@@ -262,13 +261,17 @@ async def test_workers_asleep_past_their_watch_timeout(env: Env) -> None:
 
     The server ended those streams into connections frozen in the images (CRIU's network lock drops
     their packets), closes the connections 90 s later (its idle timeout) and drops its end without a
-    reset once its retransmissions give up. Restored as they were (node-a, the agent as shipped), the
-    worker's connections are half-open: nothing arrives on them, and the worker watches again only
-    when kube-client's read timeout (295 s) gives up on them. Restored closed (node-b, CRIU
-    --tcp-close), it watches again at once; the frontend's own connections to it are closed under the
-    frontend then, and its first request over one fails (reset by peer) before it reconnects, which
-    the pinned requests here ride over. Both serve at once, keep their DWM and are routed to. About
-    10 minutes in all: the two waits are the server's watch timeout and kube-client's read timeout."""
+    reset once its retransmissions give up. Restored as they were, such connections are half-open:
+    nothing arrives on them, and the worker would watch again only when kube-client's read timeout
+    (295 s) gave up on them (seen before the agent reset them: 275-294 s after the wake). The agent as
+    shipped (node-a) therefore resets the woken worker's connections to the API server after a sleep
+    longer than --reset-apiserver-connections-after (30 s), and only those: it watches again at once
+    on new connections, and the frontend's connections to it are kept. Restored closed (node-b, CRIU
+    --tcp-close, the alternative not taken), it watches again at once too, but every connection is
+    closed under its peers: the frontend's first request over one fails (reset by peer) before it
+    reconnects. Both serve at once, keep their DWM and are routed to. About 6 minutes in all, nearly
+    all of it the server's watch timeout, which no server flag shortens.
+    """
     cluster, api = env.cluster, env.cluster.api
     shipped, closed = env.graph.workers("worker")
     pods = [shipped, closed]
@@ -320,10 +323,12 @@ async def test_workers_asleep_past_their_watch_timeout(env: Env) -> None:
         # Restored closed: none of the frozen connections is left; the worker watched again at once.
         await eventually("the worker restored with --tcp-close watching again on new connections",
                          _watching_since(env, closed, woken_at, frozen=pre[closed.name]), timeout=60)
-        # Restored as they were: the worker watches again once kube-client's read timeout gave up on the
-        # half-open connections (a connection the server kept, if any, may carry a new watch).
-        await eventually("the worker restored as shipped watching again, no connection half-open",
-                         _watching_since(env, shipped, woken_at), timeout=KUBE_RS_READ_TIMEOUT + 60)
+        # Restored as they were, its API-server connections reset by the agent: none of the frozen ones
+        # is left and it watches again at once, not after kube-client's read timeout.
+        await eventually("the worker woken by the shipped agent watching again on new connections",
+                         _watching_since(env, shipped, woken_at, frozen=pre[shipped.name]), timeout=60)
+        log_text = env.agent_for(shipped).log_path.read_text(errors="replace")
+        assert re.search(r"reset [1-9]\d* connection\(s\) of the woken worker to the API server", log_text)
         for p in pods:
             assert await _identity(cluster, p) == before[p.name]
             await _pinned(env, p, n=1)
