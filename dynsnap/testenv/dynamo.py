@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm, worker_ids_from
@@ -138,9 +139,21 @@ async def teardown(cluster: LocalCluster, graph: Graph) -> None:
     for comp_pods in graph.pods.values():
         for p in comp_pods:
             await cluster.delete_pod(p.namespace, p.name)
+    name, ns = graph.dgd["metadata"]["name"], graph.dgd["metadata"]["namespace"]
     with contextlib.suppress(Exception):
-        await cluster.api.delete(R.DGDS, graph.dgd["metadata"]["name"], namespace=graph.dgd["metadata"]["namespace"],
-                                 propagation="Foreground")
+        await cluster.api.delete(R.DGDS, name, namespace=ns, propagation="Foreground")
+
+    # Foreground deletion finishes once the garbage collector removed what the DGD owns; a graph
+    # deployed again under the same name right after (a module fixture set up twice) must not meet
+    # the old one "being deleted".
+    async def gone() -> bool:
+        try:
+            await cluster.api.get(R.DGDS, name, namespace=ns)
+        except NotFound:
+            return True
+        return False
+    with contextlib.suppress(TimeoutError):
+        await wait_for(f"DGD {ns}/{name} gone", gone, timeout=60)
 
 
 async def dwm_of(cluster: LocalCluster, pod: RunningPod) -> Obj:
