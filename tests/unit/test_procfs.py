@@ -47,3 +47,18 @@ def test_nspid_tree_and_maps(tmp_path: Path) -> None:
     assert procfs.tree(500, tmp_path) == [500, 501, 502]
     assert procfs.maps_paths(501, tmp_path) == {"/usr/lib/x86_64-linux-gnu/libcuda.so.580.159"}
     assert procfs.status(999, tmp_path) is None  # gone: absent, not an error
+
+
+def test_apiserver_endpoints_from_the_workers_environment(tmp_path: Path) -> None:
+    from dynsnap.agent.worker import apiserver_endpoints
+
+    cg = f"0::/kubepods/pod{UID}/c\n"
+    _proc(tmp_path, 501, ppid=500, nspid="501 10000", cgroup=cg)
+    root = tmp_path / "501" / "root" / "etc"
+    root.mkdir(parents=True)
+    (root / "kubeconfig").write_text("clusters:\n- cluster: {server: 'https://10.213.0.1:34567'}\n"
+                                     "- cluster: {server: 'https://api.example.internal:6443'}\n")
+    (tmp_path / "501" / "environ").write_bytes(
+        b"KUBERNETES_SERVICE_HOST=10.96.0.1\0KUBERNETES_SERVICE_PORT=443\0KUBECONFIG=/etc/kubeconfig\0")
+    # A hostname is skipped: a socket's peer is an address.
+    assert apiserver_endpoints(501, tmp_path) == [("10.213.0.1", 34567), ("10.96.0.1", 443)]
