@@ -514,7 +514,7 @@ class NodeAgent:
         if status == ws.status and ws.key not in self._unwritten:
             return  # nothing changed: no write (a quiet fleet costs the API server nothing)
         body = {"metadata": {"name": ws.metadata.name, "namespace": ws.metadata.namespace},
-                "status": status.wire()}
+                "status": agent_owned(status)}
         try:
             written = await self.kube.apply(R.WORKER_SNAPSHOTS, body, subresource="status",
                                             field_manager=P.AGENT_FIELD_MANAGER, force=True)
@@ -544,6 +544,16 @@ class NodeAgent:
 
     async def run(self) -> None:
         await run_workers(self.queue, self.reconcile, workers=self.settings.workers, name="agent")
+
+
+def agent_owned(status: WorkerSnapshotStatus) -> Obj:
+    """The status fields the agent applies: everything but the controller's record and conditions.
+    Sending those back (even unchanged, from a stale read) would take them over under force and
+    could undo a verification the controller wrote meanwhile."""
+    wire = status.wire()
+    wire.pop("controller", None)
+    wire["conditions"] = [c for c in wire.get("conditions", []) if c["type"] not in P.CONTROLLER_CONDITIONS]
+    return wire
 
 
 def ws_object(ws: WorkerSnapshot) -> Obj:

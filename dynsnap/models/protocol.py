@@ -37,6 +37,28 @@ FIELD_MANAGER: Final = "dynsnap"
 # Pod readiness gate dynsnap owns: False takes a worker out of serving before any capture.
 CONDITION_SERVING: Final = "dynsnap.io/serving"
 
+# Policy annotations (DESIGN.md section 1), on the DGD or on one of its components (component wins);
+# parsed and validated by dynsnap/models/policy.py. A bad value is an Event and a condition, and
+# changes nothing.
+ANNOTATION_PREFIX: Final = "dynsnap.io/"
+ANN_ENABLED: Final = "dynsnap.io/enabled"  # "true" opts the component's workers in
+ANN_IDLE_AFTER: Final = "dynsnap.io/idle-after"  # duration: idle this long -> may be captured
+ANN_TIER: Final = "dynsnap.io/tier"  # suspend | snapshot
+ANN_MIN_ACTIVE: Final = "dynsnap.io/min-active"  # workers of the component that stay awake (>= 1)
+ANN_VERIFY_REQUESTS: Final = "dynsnap.io/verify-requests"  # pinned requests that prove a wake
+ANN_WAKE_AT_INFLIGHT: Final = "dynsnap.io/wake-at-inflight"  # demand per awake worker that wakes another
+ANN_ON_FAILED_WAKE: Final = "dynsnap.io/on-failed-wake"  # restart (delete the pod) | none
+POLICY_ANNOTATIONS: Final = (ANN_ENABLED, ANN_IDLE_AFTER, ANN_TIER, ANN_MIN_ACTIVE, ANN_VERIFY_REQUESTS,
+                             ANN_WAKE_AT_INFLIGHT, ANN_ON_FAILED_WAKE)
+# The manual override, on a worker pod: suspended | active (`dynsnap suspend|wake POD` sets it).
+ANN_DESIRED_STATE: Final = "dynsnap.io/desired-state"
+# On a WorkerSnapshot, set by the controller with each desiredState change: the W3C traceparent of
+# the capture or wake it asks for, so the agent's spans join the controller's trace.
+ANN_TRACEPARENT: Final = "dynsnap.io/traceparent"
+
+CONTROLLER_COMPONENT: Final = "dynsnap-controller"  # Events' reportingController
+CONTROLLER_LEASE: Final = "dynsnap-controller"  # the leader-election Lease (in the controller's namespace)
+
 # --- dynsnap-entrypoint (native/include/dynsnap_protocol.h; docs/ENTRYPOINT.md) ----------------
 # Mirrors of the C header's constants; tests/unit/test_protocol_native.py fails when they drift.
 
@@ -112,6 +134,12 @@ class ConditionType(StrEnum):
     SUSPENDED = "Suspended"  # True while the worker sleeps
     DEGRADED = "Degraded"  # the last capture or wake failed; reason says why
     VERIFIED = "Verified"  # the last wake was proven by pinned requests (written by the controller)
+    POLICY = "PolicyValid"  # the component's dynsnap.io/ annotations parse (written by the controller)
+
+
+# Conditions and the status.controller record are the controller's (field manager "dynsnap"); the
+# agent never writes them (it leaves them out of its server-side apply).
+CONTROLLER_CONDITIONS: Final = (ConditionType.VERIFIED.value, ConditionType.POLICY.value)
 
 
 class Reason(StrEnum):
@@ -161,8 +189,28 @@ class Reason(StrEnum):
     WORKER_LOST = "WorkerLost"
     POD_GONE = "PodGone"
     RECOVERED = "Recovered"
-    # Verified (controller)
+    # Controller: policy and decisions
+    POLICY_VALID = "PolicyValid"
+    INVALID_POLICY = "InvalidPolicy"
+    INVALID_OVERRIDE = "InvalidOverride"
+    MIN_ACTIVE = "MinActive"
+    QUIESCING = "Quiescing"
+    QUIESCED = "Quiesced"
+    CAPTURE_REQUESTED = "CaptureRequested"
+    WAKE_REQUESTED = "WakeRequested"
+    GRAPH_DELETED = "GraphDeleted"
+    POD_REPLACED = "PodReplaced"
+    # Verified (controller): a wake is proven, or why it is not
+    VERIFYING = "Verifying"
     VERIFIED = "Verified"
+    POD_CHANGED = "PodChanged"
+    DWM_CHANGED = "DwmChanged"
+    ENDPOINT_NOT_READY = "EndpointNotReady"
+    PINNED_REQUEST_FAILED = "PinnedRequestFailed"
+    ANSWERED_BY_ANOTHER_WORKER = "AnsweredByAnotherWorker"
+    FRONTEND_UNAVAILABLE = "FrontendUnavailable"
+    WAKE_FAILED = "WakeFailed"
+    COLD_RESTART = "ColdRestart"
 
 
 # Capture images on a node: <images root>/<namespace>_<pod>_<pod uid>/<capture id>/ (final) and

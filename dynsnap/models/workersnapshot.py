@@ -127,6 +127,46 @@ class IdleFacts(_Model):
     idle_since: datetime | None = None
 
 
+class WorkerIdentity(_Model):
+    """Who the worker was when the controller took it out of serving; a wake is verified against it
+    (DESIGN.md section 4: same pod UID, pod IP, DWM UID and instance id)."""
+
+    pod_uid: Annotated[str, Field(alias="podUID")]
+    pod_ip: Annotated[str, Field(alias="podIP")]
+    dwm_uid: Annotated[str, Field(alias="dwmUID")]
+    instance_id: Annotated[int, Field(ge=0, description="Decimal Dynamo instance id of the generate endpoint.")]
+    recorded: datetime
+
+
+class Verification(_Model):
+    """The proof (or disproof) of one wake: which wake, how many pinned requests, who answered."""
+
+    wake_id: Annotated[str, Field(max_length=64, description="status.lastWake.id this verifies.")]
+    ok: bool | None = None
+    reason: Reason
+    message: Annotated[str, Field(max_length=4096)] = ""
+    started: datetime
+    finished: datetime | None = None
+    requests: Annotated[int, Field(ge=0)] = 0
+    answered: Annotated[int, Field(ge=0, description="Pinned requests answered by this worker's id.")] = 0
+    headers: list[str] = []
+    worker_id: Annotated[int | None, Field(ge=0, description="The instance id the requests were pinned to.")] = None
+    prefill_id: Annotated[int | None, Field(ge=0)] = None
+    steps: list[StepTiming] = []
+    fallback: Annotated[str | None, Field(description="What was done about a failed wake (ColdRestart).")] = None
+
+
+class ControllerRecord(_Model):
+    """The controller's part of the status (field manager ``dynsnap``; the agent never writes it)."""
+
+    identity: WorkerIdentity | None = None
+    quiesce: OperationRecord | None = None
+    verification: Verification | None = None
+    decision: Annotated[str | None, Field(max_length=1024,
+                                          description="The planner's last word on this worker.")] = None
+    decided: datetime | None = None
+
+
 class WorkerSnapshotStatus(_Model):
     observed_generation: Annotated[int, Field(ge=0)] | None = None
     state: ObservedState | None = None
@@ -138,6 +178,7 @@ class WorkerSnapshotStatus(_Model):
     last_error: ErrorRecord | None = None
     consecutive_failures: Annotated[int, Field(ge=0)] | None = None
     idle: IdleFacts | None = None
+    controller: ControllerRecord | None = None
 
 
 class ObjectMeta(_Model):
