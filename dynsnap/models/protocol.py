@@ -100,6 +100,9 @@ LABEL_NODE: Final = "dynsnap.io/node"
 # The agent's field manager: it owns the status fields it writes, the controller owns the rest.
 AGENT_FIELD_MANAGER: Final = "dynsnap-agent"
 AGENT_COMPONENT: Final = "dynsnap-agent"  # Events' reportingController
+# `dynsnap suspend|wake` writes the override annotation on a pod under this manager, so the pod's
+# managedFields say a person asked for it (not the controller, whose manager is FIELD_MANAGER).
+CLI_FIELD_MANAGER: Final = "dynsnap-cli"
 
 # The worker container Dynamo's operator creates (its main container is named "main").
 DEFAULT_CONTAINER: Final = "main"
