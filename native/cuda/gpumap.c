@@ -101,19 +101,38 @@ static int is_visible(const struct gpu_uuid *u, const struct gpu_uuid *visible, 
 int gpumap_parse(const char *spec, const struct gpu_uuid *visible, int nvisible,
 		 struct gpu_pair *out, int max, char *err, size_t errlen)
 {
-	char *copy = strdup(spec), *save = NULL, *item;
-	int n = 0;
+	char *copy = strdup(spec), *next, *item;
+	int n = 0, pos = 0, blank = 1;
 
 	if (!copy) {
 		snprintf(err, errlen, "out of memory");
 		return -1;
 	}
-	for (item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
-		char *eq = strchr(item, '='), *old_s = item, *new_s;
+	for (const char *p = spec; *p; p++)
+		if (!isspace((unsigned char)*p))
+			blank = 0;
+	/* Items are split by hand, not with strtok: strtok folds ",," and a
+	 * leading or trailing comma away, so "0=1,,1=0" would pass for a whole
+	 * map although a pair was evidently lost on its way here (the way
+	 * --pid refuses an empty item). A blank map has no items at all and is
+	 * refused by the coverage check below. */
+	for (next = blank ? NULL : copy; next;) {
+		char *eq, *old_s, *new_s;
 		char uuid[64];
 
+		item = next;
+		next = strchr(item, ',');
+		if (next)
+			*next++ = '\0';
+		pos++;
+		old_s = item;
 		while (isspace((unsigned char)*old_s))
 			old_s++;
+		if (!*old_s) {
+			snprintf(err, errlen, "item %d of the map is empty (a stray comma?)", pos);
+			goto fail;
+		}
+		eq = strchr(item, '=');
 		if (!eq || strchr(eq + 1, '=')) {
 			snprintf(err, errlen, "pair '%s' is not OLD=NEW", item);
 			goto fail;

@@ -24,7 +24,8 @@ struct gpu_pair {
 /* Parses "OLD=NEW,OLD=NEW,..." where each side is a device index (resolved
  * against visible[], the UUIDs this process sees, in index order) or a UUID
  * with or without "GPU-" and dashes, any case. The map must name every
- * visible GPU exactly once as a target, and no source twice.
+ * visible GPU exactly once as a target, and no source twice; an empty item
+ * ("0=1,,1=0", a leading or trailing comma) is refused, not skipped.
  * Returns the number of pairs, or -1 with a one-line reason in err. */
 int gpumap_parse(const char *spec, const struct gpu_uuid *visible, int nvisible,
 		 struct gpu_pair *out, int max, char *err, size_t errlen);

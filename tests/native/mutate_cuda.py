@@ -102,6 +102,11 @@ MUTATIONS = (
         "\t\telse if (0 && cuda_free(d, &free_b[d]) == 0)\n",
         tests=TESTS, k=K),
     mutation(
+        "empty-map-item-skipped", "an empty item of the GPU map skipped (as strtok did) instead of refused", G,
+        "\t\t\tsnprintf(err, errlen, \"item %d of the map is empty (a stray comma?)\", pos);\n\t\t\tgoto fail;",
+        "\t\t\tcontinue;",
+        tests=TESTS, k=K),
+    mutation(
         "refused-restore-reported-ok",
         "a refused restore reported `\"ok\": true, \"error\": null` in `--json` (the code before the fix)", C,
         "!j->skipped && !refusal[0] ? \"true\"",

@@ -106,6 +106,12 @@ def test_resume_passes_the_map_to_every_restore(two_gpus: Stub) -> None:
     ("01,1=0", "not OLD=NEW"),
     ("", "must cover every visible GPU"),
     ("0=,1=0", "neither a GPU index nor a GPU UUID"),
+    # an empty item is refused like an empty --pid item, not folded away: a pair was lost on its way
+    ("0=1,,1=0", "item 2 of the map is empty"),
+    ("0=1,1=0,", "item 3 of the map is empty"),                    # trailing comma
+    (",0=1,1=0", "item 1 of the map is empty"),                    # leading comma
+    ("0=1, ,1=0", "item 2 of the map is empty"),                   # blank item
+    (",", "item 1 of the map is empty"),
 ])
 def test_bad_maps_are_refused_before_any_state_change(two_gpus: Stub, spec: str, reason: str) -> None:
     two_gpus.set_state(CHECKPOINTED, 6)
