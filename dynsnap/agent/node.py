@@ -9,7 +9,9 @@ Layer: ``dynsnap.agent``. A reconcile of ``namespace/name``:
    readiness gate), or does not run under dynsnap-entrypoint;
 3. observes the worker on the node (executor), plans one step towards the wanted state, runs it;
 4. writes status (server-side apply under its own field manager): conditions, observed state,
-   the capture or wake record with this step's duration, the last error; emits an Event;
+   the capture or wake record with this step's duration, the last error; emits an Event; once a
+   capture or wake is recorded finished, emits its steps as spans of the trace the WorkerSnapshot's
+   ``dynsnap.io/traceparent`` names (``traceContext`` in the record) and counts it in the metrics;
 5. returns when to look again: at once while a capture or wake goes on, after the backoff after
    a failure (during which the worker is rolled back to active), after the scrape interval while
    active (idle facts), never while asleep and settled.
@@ -57,6 +59,8 @@ from dynsnap.models.workersnapshot import (
     utcnow,
 )
 from dynsnap.runtime.workqueue import WorkQueue, run_workers
+from dynsnap.telemetry import tracing
+from dynsnap.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,13 @@ class NodeAgent:
     _unwritten: dict[str, WorkerSnapshotStatus] = field(default_factory=dict)
     # key -> when this agent began waiting for a helper an earlier agent left running (monotonic)
     _waiting: dict[str, float] = field(default_factory=dict)
+    # served on the health port's /metrics (main.py passes its render to the health server)
+    metrics: Metrics = field(default_factory=Metrics)
+    # traceparents this agent made for operations no controller traced: their root span is ours to emit
+    _own_traces: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.metrics.add_refresh(self._refresh_metrics)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -274,13 +285,17 @@ class NodeAgent:
 
     async def _do(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, subject: Subject, obs: Observation,
                   step: Step, *, tier: Tier, want: DesiredState, pod: Obj) -> float | None:
+        # The trace this capture or wake joins is the one asked for when it starts (a later request
+        # brings a new traceparent, which must not take over this operation's spans).
+        trace = traceparent_of(ws)
         if step == Step.QUIESCE and obs.worker.state == P.EntrypointState.ACTIVE:
-            status.last_capture = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+            status.last_capture = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow(),
+                                                  trace_context=trace)
             status.image = None
         elif step == Step.WAKE:
-            status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+            status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow(), trace_context=trace)
         else:
-            self._adopt(status, obs, step, tier=tier, want=want)
+            self._adopt(status, obs, step, tier=tier, want=want, trace_context=trace)
         capture_id = status.last_capture.id if status.last_capture and _open(status.last_capture) else None
         if step in (Step.WAIT_HELPER,):
             status.state = obs.state
@@ -345,7 +360,7 @@ class NodeAgent:
 
     @staticmethod
     def _adopt(status: WorkerSnapshotStatus, obs: Observation, step: Step, *, tier: Tier,
-               want: DesiredState) -> None:
+               want: DesiredState, trace_context: str | None = None) -> None:
         """Open a record for a capture or wake that an agent which died started. Quiesce and wake open
         theirs, but status is written only after the entrypoint acknowledged them: an agent killed in
         between leaves the operation under way and no record of it. This agent's steps then go into a
@@ -353,10 +368,12 @@ class NodeAgent:
         if _open(status.last_capture) or _open(status.last_wake):
             return
         if step in CAPTURE_STEPS and want == DesiredState.SUSPENDED:
-            status.last_capture = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+            status.last_capture = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow(),
+                                                  trace_context=trace_context)
             status.image = None
         elif step in WAKE_STEPS and obs.worker.state == P.EntrypointState.RESTORING:
-            status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow())
+            status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow(),
+                                               trace_context=trace_context)
 
     @staticmethod
     def _close_settled(status: WorkerSnapshotStatus, obs: Observation) -> bool | None:
@@ -513,6 +530,7 @@ class NodeAgent:
     async def _write(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus) -> None:
         if status == ws.status and ws.key not in self._unwritten:
             return  # nothing changed: no write (a quiet fleet costs the API server nothing)
+        ended = self._ended(ws.key, status)
         body = {"metadata": {"name": ws.metadata.name, "namespace": ws.metadata.namespace},
                 "status": agent_owned(status)}
         try:
@@ -529,6 +547,70 @@ class NodeAgent:
             raise
         self._unwritten.pop(ws.key, None)
         self._written[ws.key] = written
+        for operation, rec in ended:
+            self._report(ws, operation, rec)
+
+    def _ended(self, key: str, status: WorkerSnapshotStatus) -> list[tuple[str, OperationRecord]]:
+        """The captures and wakes this write records as finished that the API server does not yet hold
+        finished: reported (spans, metrics) once that write succeeds, so each is reported once, also
+        across agent restarts (a record the server holds finished was reported by whoever wrote it).
+        One no controller traced gets a trace of its own, recorded with it."""
+        prior = (self._ws(key) or {}).get("status") or {}
+        out = []
+        for operation, rec, was in (("capture", status.last_capture, prior.get("lastCapture")),
+                                    ("wake", status.last_wake, prior.get("lastWake"))):
+            if rec is None or rec.finished is None:
+                continue
+            if isinstance(was, dict) and was.get("id") == rec.id and was.get("finished"):
+                continue
+            if rec.trace_context is None and tracing.current().enabled:
+                rec.trace_context = tracing.new_traceparent()
+                self._own_traces.add(rec.trace_context)
+            out.append((operation, rec))
+        return out
+
+    def _report(self, ws: WorkerSnapshot, operation: str, rec: OperationRecord) -> None:
+        """A finished capture or wake: its steps as spans, its outcome and duration in the metrics.
+        Telemetry never fails a reconcile."""
+        err = rec.error
+        attrs: dict[str, str | int | float | bool] = {
+            "k8s.namespace.name": ws.metadata.namespace or "", "k8s.pod.name": ws.spec.pod_name,
+            "k8s.pod.uid": ws.spec.pod_uid, "k8s.node.name": self.settings.node_name,
+            "dynsnap.tier": rec.tier.value, "dynsnap.operation.id": rec.id, "dynsnap.ok": bool(rec.ok)}
+        if err is not None:
+            attrs["dynsnap.error.reason"] = err.reason.value
+        error = f"{err.reason.value}: {err.message}" if err is not None else None
+        try:
+            if rec.trace_context in self._own_traces:
+                self._own_traces.discard(rec.trace_context)
+                assert rec.trace_context is not None and rec.finished is not None
+                tracing.emit_root(rec.trace_context, operation, started=rec.started, finished=rec.finished,
+                                  attributes=attrs, ok=bool(rec.ok), error=error)
+            tracing.emit_operation(rec.trace_context, operation, rec.started, [(s.name, s.seconds) for s in rec.steps],
+                                   attributes=attrs, ok=bool(rec.ok), error=error,
+                                   failed_step=err.step if err is not None else None)
+        except Exception:
+            log.exception("%s: emitting the spans of %s %s", ws.key, operation, rec.id)
+        seconds = (rec.finished - rec.started).total_seconds() if rec.finished is not None else None
+        self.metrics.operation_finished("capture" if operation == "capture" else "wake", rec.tier.value,
+                                        ok=bool(rec.ok), seconds=seconds)
+
+    def _refresh_metrics(self) -> None:
+        """The gauges that describe this node now: queue depth, workers by state, GPU memory freed."""
+        self.metrics.set_queue_depth("agent", self.queue.depth)
+        if self.ws_informer is None:
+            return
+        counts: dict[str, int] = {}
+        freed = 0
+        for obj in self.ws_informer.store.list():
+            key = f"{obj['metadata'].get('namespace')}/{obj['metadata'].get('name')}"
+            st = (self._ws(key) or obj).get("status") or {}
+            state = str(st.get("state") or ObservedState.UNKNOWN.value)
+            counts[state] = counts.get(state, 0) + 1
+            if state == ObservedState.SUSPENDED.value:
+                freed += gpu_bytes_freed(st.get("lastCapture"))
+        self.metrics.set_workers(counts)
+        self.metrics.set_gpu_bytes_freed(freed)
 
     async def _event(self, ws: WorkerSnapshot, kind: str, reason: Reason, note: str) -> None:
         if self.events is None:
@@ -543,7 +625,16 @@ class NodeAgent:
         return [str(p) for p in self.executor.images.gc(live)]
 
     async def run(self) -> None:
-        await run_workers(self.queue, self.reconcile, workers=self.settings.workers, name="agent")
+        await run_workers(self.queue, self._counted, workers=self.settings.workers, name="agent")
+
+    async def _counted(self, key: str) -> float | None:
+        try:
+            again = await self.reconcile(key)
+        except Exception:
+            self.metrics.reconciled("agent", "error")
+            raise
+        self.metrics.reconciled("agent", "ok")
+        return again
 
 
 def agent_owned(status: WorkerSnapshotStatus) -> Obj:
@@ -554,6 +645,23 @@ def agent_owned(status: WorkerSnapshotStatus) -> Obj:
     wire.pop("controller", None)
     wire["conditions"] = [c for c in wire.get("conditions", []) if c["type"] not in P.CONTROLLER_CONDITIONS]
     return wire
+
+
+def traceparent_of(ws: WorkerSnapshot) -> str | None:
+    """The W3C traceparent the controller put on the WorkerSnapshot, None when absent or malformed (a
+    bad annotation costs the trace, never the operation)."""
+    tp = tracing.parse_traceparent(ws.metadata.annotations.get(P.ANN_TRACEPARENT))
+    return str(tp) if tp is not None else None
+
+
+def gpu_bytes_freed(capture: Obj | None) -> int:
+    """Bytes of GPU memory a capture freed (free memory after minus before, per GPU), from its record."""
+    total = 0
+    for g in (capture or {}).get("gpus") or []:
+        before, after = g.get("freeBefore"), g.get("freeAfter")
+        if isinstance(before, int) and isinstance(after, int) and after > before:
+            total += after - before
+    return total
 
 
 def ws_object(ws: WorkerSnapshot) -> Obj:

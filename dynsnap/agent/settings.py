@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ENV_PREFIX = "DYNSNAP_AGENT_"
 
@@ -86,8 +86,20 @@ class AgentSettings(BaseModel):
         "secrets). A minute keeps the cost of the scan negligible; tests shorten it."))] = 60.0
     health_port: Annotated[int, Field(ge=0, lt=65536, description=(
         "Port of /healthz, /readyz and /metrics (0: none)."))] = 8090
+    otlp_endpoint: Annotated[str, Field(description=(
+        "OpenTelemetry collector's OTLP/HTTP endpoint for traces, as its base URL (http://otel-collector:4318; "
+        "/v1/traces is appended). Each finished capture and wake is exported as one span per step, in the trace "
+        "the controller named on the WorkerSnapshot. Empty: not exported."))] = ""
+    trace_file: Annotated[Path | None, Field(description=(
+        "Also append every span to this file as one JSON object per line (tests and dynsnap demo read it; no "
+        "collector needed). Empty: none."))] = None
     cuda_env: Annotated[dict[str, str], Field(description=(
         "Extra environment for dynsnap-cuda (the local environment points DYNSNAP_LIBCUDA at its stub)."))] = {}
+
+    @field_validator("trace_file", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if v == "" else v  # DYNSNAP_AGENT_TRACE_FILE= (empty) means none, not "."
 
     @classmethod
     def from_env(cls, overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None
@@ -108,7 +120,7 @@ def reference_table() -> str:
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for name, f in AgentSettings.model_fields.items():
         default = f.default
-        shown = "(none)" if default in ("", {}) else str(default)
+        shown = "(none)" if default in ("", {}, None) else str(default)
         flag = "--" + name.replace("_", "-")
         rows.append(f"| `{flag}` | `{ENV_PREFIX}{name.upper()}` | `{shown}` | {f.description} |")
     return "\n".join(rows) + "\n"
