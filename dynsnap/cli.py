@@ -127,7 +127,9 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings) -> int:
     from dynsnap.agent.main import install_signal_handlers, run_agent
     from dynsnap.k8s.client import Kube
     from dynsnap.models import protocol as P
+    from dynsnap.telemetry.tracing import setup_tracing, shutdown_tracing
 
+    setup_tracing("dynsnap-agent", otlp_endpoint=settings.otlp_endpoint or None, trace_file=settings.trace_file)
     kube = (await Kube.from_kubeconfig(args.kubeconfig, field_manager=P.AGENT_FIELD_MANAGER) if args.kubeconfig
             else Kube.in_cluster(field_manager=P.AGENT_FIELD_MANAGER))
     stop = asyncio.Event()
@@ -136,6 +138,7 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings) -> int:
         await run_agent(kube, settings, stop=stop)
     finally:
         await kube.close()
+        shutdown_tracing()  # exports the spans still batched
     return 0
 
 
