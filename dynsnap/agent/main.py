@@ -45,8 +45,8 @@ async def run_agent(kube: Kube, settings: AgentSettings, *, stop: asyncio.Event 
     ws_inf.add_handler(agent.on_ws)
     pod_inf.add_handler(agent.on_pod)
     ready = False
-    health = HealthServer(host="0.0.0.0", port=settings.health_port, ready=lambda: ready) \
-        if settings.health_port else None
+    health = HealthServer(host="0.0.0.0", port=settings.health_port, ready=lambda: ready,
+                          metrics=agent.metrics.render) if settings.health_port else None
     tasks: list[asyncio.Task[object]] = []
     try:
         if health is not None:
