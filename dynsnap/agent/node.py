@@ -140,6 +140,8 @@ class NodeAgent:
 
     def __post_init__(self) -> None:
         self.metrics.add_refresh(self._refresh_metrics)
+        if self.kube.on_request is None:  # this process's client: its requests are the agent's
+            self.kube.on_request = self.metrics.api_request
 
     # -- stores -------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ when no byte arrives within its deadline, and the informer's own loop reconnects
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,9 @@ class Kube:
         self.retry_policy = retry_policy
         self.namespace = namespace
         self.token_file = token_file
+        # Called with the HTTP method of every request sent (each retry's too): the owner's request
+        # counter (dynsnap_api_requests_total). A callable, so this layer needs no metrics library.
+        self.on_request: Callable[[str], None] | None = None
 
     @classmethod
     async def from_kubeconfig(cls, path: Path | str, *, field_manager: str = protocol.FIELD_MANAGER) -> Kube:
@@ -122,6 +125,8 @@ class Kube:
         timeout: float | aiohttp.ClientTimeout = 30.0,
     ) -> Any:
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
+        if self.on_request is not None:
+            self.on_request(method)
         resp = await self._api.call_api(
             path,
             method,

@@ -218,6 +218,9 @@ async def test_capture_and_wake_are_spans_of_the_trace_the_worker_snapshot_names
         assert awake[("dynsnap_workers", (("state", "Active"),))] == 1
         assert awake[("dynsnap_workers", (("state", "Suspended"),))] == 0
         assert awake[("dynsnap_reconciles_total", (("controller", "agent"), ("result", "ok")))] >= 6
+        # Its requests to the API server: the status applies (PATCH) of each step, the informers' lists.
+        assert awake[("dynsnap_api_requests_total", (("verb", "PATCH"),))] >= 6
+        assert awake[("dynsnap_api_requests_total", (("verb", "GET"),))] >= 2
         # Each operation emitted once: the writes after the capture's finish (the whole wake) did not
         # emit it again.
         _assert_steps_as_spans(await _step_spans(env, cap), cap, "capture", trace_id=trace_id, parent=span_id)
