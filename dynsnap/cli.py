@@ -2,8 +2,11 @@
 
     dynsnap demo                         local control plane + Dynamo: a full suspend -> wake -> verify cycle
     dynsnap crd                          print dynsnap's CRDs, generated from the models
+    dynsnap controller [options]         the controller (one active replica, elected by a Lease)
     dynsnap agent [options]              the node agent (one per node)
     dynsnap agent exec ... capture|wake  one capture or wake of one worker here, without Kubernetes
+    dynsnap status [-n NS | -A] [--watch] the workers dynsnap manages: state, idle for, last capture/wake, proof
+    dynsnap suspend|wake POD [-n NS]     the manual override on one worker pod, followed until done or failed
 
 Bad arguments exit 2 with the reason; nothing is touched.
 """
@@ -19,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dynsnap.agent.settings import AgentSettings
-from dynsnap.models.protocol import Tier
+from dynsnap.models.protocol import ANN_DESIRED_STATE, Tier
 from dynsnap.models.workersnapshot import UID_PATTERN
 
 _BOOL = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
@@ -56,6 +59,15 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
     return AgentSettings.from_env(overrides)
 
 
+def _add_controller_flags(p: argparse.ArgumentParser) -> None:
+    from dynsnap.controller.settings import ControllerSettings
+
+    g = p.add_argument_group("controller settings (also DYNSNAP_CONTROLLER_<NAME>)")
+    for name, f in ControllerSettings.model_fields.items():
+        g.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.upper(),
+                       help=f"{f.description} (default: {f.default})", default=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynsnap", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="local control plane + Dynamo: serve, pin, summarise, tear down")
     sub.add_parser("crd", help="print dynsnap's CRDs (YAML), generated from the pydantic models")
+    ctl = sub.add_parser("controller", help="the controller: decides which workers sleep, wakes and verifies them")
+    ctl.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
+    _add_controller_flags(ctl)
     agent = sub.add_parser("agent", help="the node agent; `agent exec` runs one capture or wake here")
     agent.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     _add_settings_flags(agent)
@@ -79,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="confirm the worker was taken out of serving (a capture refuses without it)")
     ex.add_argument("--metrics-url", help="also refuse a capture while this endpoint shows requests in flight")
     _add_settings_flags(ex)
+    _add_user_commands(sub)
     return parser
 
 
@@ -99,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(yaml.safe_dump(workersnapshot_crd(), sort_keys=False))
         return 0
+    if args.command == "controller":
+        from dynsnap.controller.settings import ControllerSettings
+
+        try:
+            csettings = ControllerSettings.from_env(
+                {n: getattr(args, n, None) for n in ControllerSettings.model_fields})
+        except (ValueError, ValidationError) as e:
+            parser.error(str(e))
+        return asyncio.run(_controller(args, csettings))
     if args.command == "agent":
         try:
             settings = _settings(args)
@@ -107,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.agent_command == "exec":
             return _exec(parser, args, settings)
         return asyncio.run(_agent(args, settings))
+    if args.command in ("status", "suspend", "wake"):
+        return asyncio.run(_user_command(args))
     return 2
 
 
@@ -121,6 +148,23 @@ def _exec(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: A
     outcome = asyncio.run(execute(settings, subject, action=args.action, tier=Tier(args.tier), quiesced=args.quiesced,
                                   metrics_url=args.metrics_url, out=sys.stdout))
     return 0 if outcome.ok else 1
+
+
+async def _controller(args: argparse.Namespace, settings: Any) -> int:
+    from dynsnap.agent.main import install_signal_handlers
+    from dynsnap.controller.main import run_controller
+    from dynsnap.k8s.client import Kube
+    from dynsnap.models import protocol as P
+
+    kube = (await Kube.from_kubeconfig(args.kubeconfig, field_manager=P.FIELD_MANAGER) if args.kubeconfig
+            else Kube.in_cluster(field_manager=P.FIELD_MANAGER))
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    try:
+        await run_controller(kube, settings, stop=stop)
+    finally:
+        await kube.close()
+    return 0
 
 
 async def _agent(args: argparse.Namespace, settings: AgentSettings) -> int:
@@ -140,6 +184,57 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings) -> int:
         await kube.close()
         shutdown_tracing()  # exports the spans still batched
     return 0
+
+
+def _add_user_commands(sub: Any) -> None:
+    """`dynsnap status`, `dynsnap suspend POD`, `dynsnap wake POD` (dynsnap/controller/follow.py)."""
+    kubeconfig = "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then in-cluster)"
+    st = sub.add_parser("status", help="the workers dynsnap manages: DGD, component, state, tier, idle for, "
+                        "last capture, last wake, verified by")
+    st.add_argument("--kubeconfig", help=kubeconfig)
+    where = st.add_mutually_exclusive_group()
+    where.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, else default)")
+    where.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    st.add_argument("-w", "--watch", action="store_true", help="keep watching; print each row again when it changes")
+    st.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                    help="table (default) or json (with --watch: one JSON object per change and line)")
+    for action, what in (("suspend", "put one worker to sleep"), ("wake", "wake one worker and prove it")):
+        p = sub.add_parser(action, help=f"{what}: set {ANN_DESIRED_STATE} on its pod and follow it")
+        p.add_argument("pod", metavar="POD", help="the worker pod")
+        p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, else default)")
+        p.add_argument("--kubeconfig", help=kubeconfig)
+        p.add_argument("--timeout", type=float, default=300.0,
+                       help="give up following after this many seconds, exit 3 (default: 300)")
+        p.add_argument("--no-follow", action="store_true", help="set the annotation and exit")
+
+
+async def _user_command(args: argparse.Namespace) -> int:
+    from dynsnap.controller import follow
+    from dynsnap.k8s.errors import K8sError
+
+    def fail(code: int, msg: str) -> int:
+        sys.stderr.write(f"dynsnap {args.command}: {msg}\n")
+        return code
+
+    if getattr(args, "timeout", 1.0) <= 0:
+        return fail(follow.USAGE, f"--timeout {args.timeout}: must be more than 0 seconds")
+    try:
+        kube, default_ns = await follow.connect(args.kubeconfig)
+    except follow.UsageError as e:
+        return fail(follow.USAGE, str(e))
+    try:
+        if args.command == "status":
+            ns = None if args.all_namespaces else (args.namespace or default_ns)
+            return await follow.status(kube, namespace=ns, watch=args.watch, output=args.output,
+                                       out=sys.stdout, err=sys.stderr)
+        return await follow.request(kube, action=args.command, namespace=args.namespace or default_ns,
+                                    pod=args.pod, timeout=args.timeout, follow=not args.no_follow, out=sys.stdout)
+    except follow.UsageError as e:
+        return fail(follow.USAGE, str(e))
+    except K8sError as e:
+        return fail(follow.FAILED, follow.explain(e))
+    finally:
+        await kube.close()
 
 
 if __name__ == "__main__":

@@ -104,15 +104,18 @@ def build_stub_driver(out: Path) -> StubDriver:
 
 
 async def install_dynsnap(cluster: LocalCluster) -> None:
-    """dynsnap's CRD (generated from the models) and the agent's RBAC from deploy/ (idempotent)."""
+    """dynsnap's CRD (generated from the models) and the shipped RBAC of the agent, the controller
+    and the CLI's user from deploy/rbac/ (idempotent)."""
     await cluster.install_crd(workersnapshot_crd())
     with contextlib.suppress(Conflict):
         await cluster.api.create(R.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace",
                                                 "metadata": {"name": AGENT_NS}})
-    for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text()):
-        res = {"ServiceAccount": R.SERVICE_ACCOUNTS, "ClusterRole": R.CLUSTER_ROLES,
-               "ClusterRoleBinding": R.CLUSTER_ROLE_BINDINGS}[doc["kind"]]
-        await cluster.api.apply(res, doc, force=True)
+    kinds = {"ServiceAccount": R.SERVICE_ACCOUNTS, "ClusterRole": R.CLUSTER_ROLES,
+             "ClusterRoleBinding": R.CLUSTER_ROLE_BINDINGS, "Role": R.ROLES, "RoleBinding": R.ROLE_BINDINGS}
+    for path in sorted((ROOT / "deploy" / "rbac").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                await cluster.api.apply(kinds[doc["kind"]], doc, force=True)
 
 
 async def token_kubeconfig(cluster: LocalCluster, *, namespace: str, sa: str, path: Path) -> Path:
@@ -187,6 +190,53 @@ class AgentProc:
 
     def tail(self, n: int = 60) -> str:
         return self.proc.tail(n) if self.proc else "(not started)"
+
+
+@dataclass
+class ControllerProc:
+    """``dynsnap controller`` as its own process under the controller's service account."""
+
+    kubeconfig: Path
+    workdir: Path
+    extra: list[str] = field(default_factory=list)
+    identity: str = "controller-0"
+    proc: Supervised | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.identity}.log"
+
+    @property
+    def trace_file(self) -> Path:
+        return self.workdir / f"{self.identity}-traces.jsonl"
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "dynsnap", "-v", "controller", "--kubeconfig", str(self.kubeconfig),
+                "--health-port", "0", "--scrape-interval", "0.5", "--identity", self.identity,
+                "--lease-namespace", AGENT_NS, *self.extra]
+
+    async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DYNSNAP_CONTROLLER_")}
+        self.proc = Supervised(self.identity, self.argv(), log_path=self.log_path, env=env)
+        await self.proc.start()
+
+    async def stop(self, *, grace: float = 10.0) -> None:
+        if self.proc is not None:
+            await self.proc.stop(grace=grace)
+            self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: the controller's pod lost without any cleanup."""
+        assert self.proc is not None and self.proc.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 9)
+
+    def tail(self, n: int = 60) -> str:
+        return self.proc.tail(n) if self.proc else "(not started)"
+
+
+CONTROLLER_SA = "dynsnap-controller"
 
 
 def worker_component(name: str, *, replicas: int, driver: StubDriver, env: dict[str, str] | None = None) -> Obj:

@@ -1,0 +1,224 @@
+"""``dynsnap controller``: the process. Informers on DGDs, their pods, DWMs, discovery EndpointSlices
+and WorkerSnapshots; a work queue of worker pods drained by the reconciler; a loop that scrapes
+each opted-in graph's frontend for demand and requeues the graph's workers when it changes.
+
+Any change to a worker, its WorkerSnapshot, DWM or endpoint requeues every worker of its component
+(the plan is per component, so a peer's change can change what this one should be); a graph's
+change requeues all its workers. Nothing is polled while nothing changes, apart from the frontend
+scrape (one GET per opted-in graph per interval) and the Lease renewals.
+
+Layer: ``dynsnap.controller``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from dynsnap.controller import fleet as F
+from dynsnap.controller.frontend import Frontend, FrontendError
+from dynsnap.controller.plan import Demand, needed
+from dynsnap.controller.reconciler import Hooks, Reconciler, Stores
+from dynsnap.controller.settings import ControllerSettings
+from dynsnap.k8s.client import Kube
+from dynsnap.k8s.events import EventRecorder
+from dynsnap.k8s.informer import Informer
+from dynsnap.k8s.store import label
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.policy import parse_policy
+from dynsnap.runtime.workqueue import WorkQueue, run_workers
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+
+def _dgd_index(obj: Obj) -> list[str]:
+    key = F.dgd_key(obj)
+    return [key] if key else []
+
+
+def _uid_index(obj: Obj) -> list[str]:
+    uid = (obj.get("metadata") or {}).get("uid")
+    return [str(uid)] if uid else []
+
+
+class Controller:
+    """The controller's parts, wired; :meth:`runnables` are what the manager runs while leading."""
+
+    def __init__(self, kube: Kube, settings: ControllerSettings, *, identity: str = "",
+                 hooks: Hooks | None = None) -> None:
+        self.kube = kube
+        self.settings = settings
+        ns = settings.namespace or None
+        self.dgds = Informer(kube, R.DGDS, namespace=ns, name="dgds")
+        self.pods = Informer(kube, R.PODS, namespace=ns, label_selector=P.LABEL_DGD_NAME,
+                             indexers={"dgd": _dgd_index, "uid": _uid_index}, name="pods")
+        self.dwms = Informer(kube, R.DWMS, namespace=ns, name="dwms")
+        self.slices = Informer(kube, R.ENDPOINT_SLICES, namespace=ns,
+                               label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true",
+                               indexers={"target": F.endpoint_targets}, name="endpointslices")
+        self.wss = Informer(kube, R.WORKER_SNAPSHOTS, namespace=ns, indexers={"node": label(P.LABEL_NODE)},
+                            name="workersnapshots")
+        self.informers = [self.dgds, self.pods, self.dwms, self.slices, self.wss]
+        self.queue: WorkQueue[str] = WorkQueue(base_delay=0.2, max_delay=60.0)
+        self.frontend = Frontend(timeout=settings.verify_request_timeout)
+        self.events = EventRecorder(kube, reporting_controller=f"{P.DYNSNAP_GROUP}/controller",
+                                    reporting_instance=identity or P.CONTROLLER_COMPONENT)
+        self.reconciler = Reconciler(kube=kube, settings=settings, frontend=self.frontend, events=self.events,
+                                     hooks=hooks or Hooks(),
+                                     stores=Stores(dgds=self.dgds.store, pods=self.pods.store, dwms=self.dwms.store,
+                                                   slices=self.slices.store, wss=self.wss.store))
+        self.pods.add_handler(self._on_pod)
+        self.wss.add_handler(self._on_ws)
+        self.dwms.add_handler(self._on_named)
+        self.slices.add_handler(self._on_slice)
+        self.dgds.add_handler(self._on_dgd)
+
+    # -- event -> keys ----------------------------------------------------------------------------
+
+    def _enqueue_component(self, pod: Obj) -> None:
+        dgd = F.dgd_key(pod)
+        if dgd is None:
+            return
+        comp = F.component_of(pod)
+        for p in self.pods.store.by_index("dgd", dgd):
+            if F.component_of(p) == comp and F.is_worker_pod(p):
+                self.queue.add(f"{p['metadata']['namespace']}/{p['metadata']['name']}")
+
+    def _enqueue_graph(self, dgd: str) -> None:
+        for p in self.pods.store.by_index("dgd", dgd):
+            if F.is_worker_pod(p):
+                self.queue.add(f"{p['metadata']['namespace']}/{p['metadata']['name']}")
+
+    def _on_pod(self, typ: str, pod: Obj) -> None:
+        if F.is_worker_pod(pod):
+            self.queue.add(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
+            self._enqueue_component(pod)
+        elif (key := F.dgd_key(pod)) is not None:
+            self._enqueue_graph(key)  # a frontend came or went: verification and demand depend on it
+
+    def _on_ws(self, typ: str, ws: Obj) -> None:
+        pod = self.pods.store.get(ws["metadata"].get("namespace"), ws["metadata"]["name"])
+        if pod is not None:
+            self._enqueue_component(pod)
+
+    def _on_named(self, typ: str, obj: Obj) -> None:
+        pod = self.pods.store.get(obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        if pod is not None:
+            self.queue.add(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
+
+    def _on_slice(self, typ: str, s: Obj) -> None:
+        for uid in F.endpoint_targets(s):
+            for pod in self.pods.store.by_index("uid", uid):
+                self._enqueue_component(pod)
+
+    def _on_dgd(self, typ: str, dgd: Obj) -> None:
+        self._enqueue_graph(f"{dgd['metadata'].get('namespace')}/{dgd['metadata']['name']}")
+
+    # -- demand -----------------------------------------------------------------------------------
+
+    def opted_in_graphs(self) -> list[Obj]:
+        out = []
+        for dgd in self.dgds.store.list():
+            for comp in F.dgd_components(dgd):
+                if not comp.is_worker:
+                    continue
+                parsed = parse_policy(F.annotations_of(dgd), comp.annotations)
+                if parsed.policy is not None and parsed.policy.enabled:
+                    out.append(dgd)
+                    break
+        return out
+
+    async def scrape_once(self) -> None:
+        graphs = self.opted_in_graphs()
+        sem = asyncio.Semaphore(16)
+
+        async def one(dgd: Obj) -> None:
+            ns, name = dgd["metadata"].get("namespace"), dgd["metadata"]["name"]
+            key = f"{ns}/{name}"
+            url = F.frontend_url(self.pods.store, ns, name)
+            demand: Demand | None = None
+            if url is not None:
+                async with sem:
+                    try:
+                        demand = await self.frontend.demand(url)
+                    except FrontendError as e:
+                        log.debug("%s: %s", key, e)
+            before = self.reconciler.demand.get(key)
+            self.reconciler.demand[key] = demand
+            if self._matters(dgd, before, demand):
+                log.info("%s: demand %s -> %s", key, before, demand)
+                self._enqueue_graph(key)
+
+        await asyncio.gather(*(one(d) for d in graphs))
+        live = {f"{d['metadata'].get('namespace')}/{d['metadata']['name']}" for d in graphs}
+        for k in set(self.reconciler.demand) - live:
+            self.reconciler.demand.pop(k, None)
+
+    @staticmethod
+    def _matters(dgd: Obj, before: Demand | None, after: Demand | None) -> bool:
+        """A demand change requeues the graph only when some component's need changes (or it
+        becomes known/unknown): a busy frontend's every tick would otherwise requeue everything."""
+        if (before is None) != (after is None):
+            return True
+        for comp in F.dgd_components(dgd):
+            parsed = parse_policy(F.annotations_of(dgd), comp.annotations)
+            if comp.is_worker and parsed.policy is not None and \
+                    needed(parsed.policy, before) != needed(parsed.policy, after):
+                return True
+        return False
+
+    async def scrape_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.scrape_once()
+            except Exception:
+                log.exception("frontend scrape failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.scrape_interval)
+
+    async def reconcile_loop(self, stop: asyncio.Event) -> None:
+        for pod in self.pods.store.list():  # everything once: finish what an earlier leader left
+            if F.is_worker_pod(pod):
+                self.queue.add(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
+        await run_workers(self.queue, self.reconciler.reconcile, workers=self.settings.workers, name="controller")
+
+    def runnables(self) -> list[tuple[str, Callable[[asyncio.Event], Any]]]:
+        return [("frontend demand", self.scrape_loop), ("reconcile", self.reconcile_loop)]
+
+    async def close(self) -> None:
+        self.queue.shutdown()
+        await self.frontend.close()
+
+
+async def run_controller(kube: Kube, settings: ControllerSettings, *, stop: asyncio.Event,
+                         identity: str = "") -> None:
+    """Run until ``stop``; informers first (and their first list), then the runnables."""
+    ctl = Controller(kube, settings, identity=identity)
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        tasks += [inf.start() for inf in ctl.informers]
+        for inf in ctl.informers:
+            await inf.wait_synced(120.0)
+        log.info("controller synced: %d graphs, %d pods, %d WorkerSnapshots", len(ctl.dgds.store),
+                 len(ctl.pods.store), len(ctl.wss.store))
+        run = [asyncio.create_task(fn(stop), name=n) for n, fn in ctl.runnables()]
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *run, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        tasks += [*run, stopper]
+        for t in done:
+            if t is not stopper and not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    finally:
+        await ctl.close()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for inf in ctl.informers:
+            await inf.stop()

@@ -1,0 +1,175 @@
+"""The planner: the observed workers of one component + its policy + the frontend's demand ->
+what each worker should be (awake or asleep) and why. A pure function, tested by tables.
+
+Deterministic, so two reconciles of two workers of one component agree on who stays awake:
+
+- The component needs ``need = max(min-active, ceil(demand / wake-at-inflight))`` workers awake
+  (demand is the frontend's in-flight + queued requests for the graph; unknown demand never lets
+  a worker go to sleep, and wakes nothing).
+- Awake workers are ranked to stay awake: manual override ``active`` first, then those not idle
+  long enough, then the most recently active, then by name. A worker may go to sleep only when
+  it is idle past ``idle-after`` and the awake, *ready* workers left without it are still at
+  least ``need``: a worker that is still waking or verifying does not count, so the component
+  never drops below ``min-active`` serving workers, not even for a moment.
+- When fewer than ``need`` are awake (or on their way), a capture still quiescing is called off
+  first (cheapest), then sleeping workers are woken, most recently captured first.
+- The manual override wins over idleness and demand, except that ``suspended`` is refused with
+  ``MinActive`` when it would leave fewer than ``min-active`` awake.
+- Lost workers (the pod must start them cold) and workers the agent refused are left alone.
+
+Layer: ``dynsnap.controller`` (pure: no I/O).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from dynsnap.models.policy import Policy
+from dynsnap.models.protocol import DesiredState
+
+
+class Phase(StrEnum):
+    """Where a worker is, as the controller sees it (from pod, WorkerSnapshot and its own record)."""
+
+    NEW = "New"  # no WorkerSnapshot yet, or not yet accepted by the agent
+    SERVING = "Serving"  # awake, serving gate True, pod Ready
+    STARTING = "Starting"  # awake but not (yet) ready: starting, gate being set, verifying
+    QUIESCING = "Quiescing"  # the controller took it out of serving; desiredState still Active
+    CAPTURING = "Capturing"  # desiredState Suspended, capture under way
+    ASLEEP = "Asleep"  # desiredState Suspended and captured
+    WAKING = "Waking"  # desiredState Active, the agent is waking it
+    BROKEN = "Broken"  # lost, refused or failing: left alone by the planner
+
+
+AWAKE_PHASES = frozenset({Phase.NEW, Phase.SERVING, Phase.STARTING, Phase.WAKING})
+ASLEEP_PHASES = frozenset({Phase.CAPTURING, Phase.ASLEEP})
+
+
+class Want(StrEnum):
+    AWAKE = "Awake"
+    ASLEEP = "Asleep"
+    LEAVE = "Leave"  # not the planner's to move (broken, or a decision is refused)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    name: str
+    phase: Phase
+    idle_since: datetime | None = None  # from the agent's idle facts; None while busy or unknown
+    last_activity: datetime | None = None
+    last_capture: datetime | None = None
+    override: str | None = None  # DesiredState value from dynsnap.io/desired-state
+
+
+@dataclass(frozen=True)
+class Decision:
+    want: Want
+    why: str
+    refused: bool = False  # the override asked for something the policy does not allow
+    again_after: float | None = None  # look again then (an idle threshold still to cross)
+
+
+@dataclass(frozen=True)
+class Demand:
+    inflight: float
+    queued: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.inflight + self.queued
+
+
+def needed(policy: Policy, demand: Demand | None) -> int:
+    if demand is None:
+        return policy.min_active
+    return max(policy.min_active, math.ceil(demand.total / policy.wake_at_inflight))
+
+
+def _idle_for(w: WorkerView, now: datetime) -> float | None:
+    return None if w.idle_since is None else (now - w.idle_since).total_seconds()
+
+
+def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: datetime) -> dict[str, Decision]:
+    """What each worker of one component should be."""
+    out: dict[str, Decision] = {}
+    need = needed(policy, demand)
+    active_override = DesiredState.ACTIVE.value
+    suspended_override = DesiredState.SUSPENDED.value
+
+    live = [w for w in workers if w.phase != Phase.BROKEN]
+    for w in workers:
+        if w.phase == Phase.BROKEN:
+            out[w.name] = Decision(Want.LEAVE, "lost, refused or failing: the agent's conditions say why")
+
+    def stay_rank(w: WorkerView) -> tuple[int, int, float, str]:
+        idle = _idle_for(w, now)
+        long_idle = idle is not None and idle >= policy.idle_after
+        recent = -(w.last_activity.timestamp() if w.last_activity else 0.0)
+        return (0 if w.override == active_override else 1, 1 if long_idle else 0, recent, w.name)
+
+    awake = sorted((w for w in live if w.phase in AWAKE_PHASES), key=stay_rank)
+    quiescing = sorted((w for w in live if w.phase == Phase.QUIESCING), key=stay_rank)
+    asleep = sorted((w for w in live if w.phase in ASLEEP_PHASES),
+                    key=lambda w: (0 if w.override == active_override else 1,
+                                   -(w.last_capture.timestamp() if w.last_capture else 0.0), w.name))
+    ready = sum(1 for w in awake if w.phase == Phase.SERVING)
+
+    # Wakes first: the deficit of awake workers is made up by calling off quiesces, then by waking.
+    deficit = need - len(awake)
+    for w in quiescing:
+        if w.override == active_override:
+            out[w.name] = Decision(Want.AWAKE, "manual override: active")
+            deficit -= 1
+        elif deficit > 0 and w.override != suspended_override:
+            out[w.name] = Decision(Want.AWAKE, f"{len(awake)} awake of {need} needed: capture called off")
+            deficit -= 1
+    for w in asleep:
+        if w.override == active_override:
+            out[w.name] = Decision(Want.AWAKE, "manual override: active")
+            deficit -= 1
+        elif deficit > 0 and w.override != suspended_override:
+            why = (f"demand {demand.total:g} needs {need} awake, {need - deficit} are" if demand is not None
+                   else f"min-active {policy.min_active}")
+            out[w.name] = Decision(Want.AWAKE, why)
+            deficit -= 1
+
+    # Sleeps: only while the ready workers left stay at or above what is needed.
+    for w in reversed(awake):  # the least wanted first
+        idle = _idle_for(w, now)
+        if w.override == active_override:
+            out[w.name] = Decision(Want.AWAKE, "manual override: active")
+            continue
+        if w.override == suspended_override:
+            if w.phase == Phase.SERVING and ready - 1 >= policy.min_active:
+                out[w.name] = Decision(Want.ASLEEP, "manual override: suspended")
+                ready -= 1
+            else:
+                out[w.name] = Decision(Want.AWAKE, f"manual override suspended refused: it would leave fewer than "
+                                       f"min-active {policy.min_active} serving", refused=True)
+            continue
+        if demand is None:
+            out[w.name] = Decision(Want.AWAKE, "demand unknown (frontend not scraped): nothing goes to sleep")
+            continue
+        if idle is None:
+            out[w.name] = Decision(Want.AWAKE, "serving traffic")
+            continue
+        if idle < policy.idle_after:
+            out[w.name] = Decision(Want.AWAKE, f"idle {idle:.0f}s of {policy.idle_after:g}s",
+                                   again_after=max(policy.idle_after - idle, 0.05))
+            continue
+        if w.phase == Phase.SERVING and ready - 1 >= need:
+            out[w.name] = Decision(Want.ASLEEP, f"idle {idle:.0f}s >= {policy.idle_after:g}s; "
+                                   f"{ready - 1} stay serving (need {need})")
+            ready -= 1
+        else:
+            out[w.name] = Decision(Want.AWAKE, f"idle, but {need} must stay serving")
+    for w in quiescing:
+        out.setdefault(w.name, Decision(Want.ASLEEP, "quiescing for a capture"))
+    for w in asleep:
+        if w.override == suspended_override:
+            out.setdefault(w.name, Decision(Want.ASLEEP, "manual override: suspended"))
+        out.setdefault(w.name, Decision(Want.ASLEEP, "asleep; demand met by the awake workers"))
+    return out

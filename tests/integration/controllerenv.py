@@ -1,0 +1,182 @@
+"""What the controller's integration tests share: a graph opted in by annotations, the node agents
+and the controller each as its own process under its shipped RBAC (tokens from the TokenRequest
+API), a load generator through the frontend that records every answer, and waits on
+WorkerSnapshot status.
+
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from agentenv import AGENT_NS, AGENT_SA, AgentProc, StubDriver, build_stub_driver, install_dynsnap, token_kubeconfig
+
+from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import NODES, LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.dynsnap_parts import CONTROLLER_SA, ControllerProc
+
+
+def policy(**kw: Any) -> dict[str, str]:
+    """dynsnap.io/ annotations from keyword arguments (idle_after="3s" -> dynsnap.io/idle-after)."""
+    return {f"{P.ANNOTATION_PREFIX}{k.replace('_', '-')}": str(v).lower() if isinstance(v, bool) else str(v)
+            for k, v in kw.items()}
+
+
+@dataclass
+class Load:
+    """Unpinned chat completions through the frontend from ``concurrency`` clients; every answer
+    kept (status, worker id), so a test can say that none failed and who served them."""
+
+    fe: D.FrontendClient
+    concurrency: int = 1
+    pause: float = 0.0
+    max_tokens: int = 8
+    results: list[tuple[float, int, int | None, str]] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.concurrency)]
+
+    async def _client(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set() and n < 100_000:
+            n += 1
+            try:
+                r = await self.fe.chat(f"load {i}.{n}", max_tokens=self.max_tokens)
+                self.results.append((time.time(), r.status, r.worker_id, "" if r.status == 200 else str(r.body)[:200]))
+            except Exception as e:  # a transport error is a failed request too
+                self.results.append((time.time(), 0, None, f"{type(e).__name__}: {e}"))
+            if self.pause:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.pause)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def failures(self) -> list[tuple[float, int, int | None, str]]:
+        return [r for r in self.results if r[1] != 200]
+
+
+@dataclass
+class CtlEnv:
+    cluster: LocalCluster
+    graph: D.Graph
+    fe: D.FrontendClient
+    agents: list[AgentProc]
+    controller: ControllerProc
+    driver: StubDriver
+    work: Path
+    ctl_kubeconfig: Path
+
+    @property
+    def api(self) -> Kube:
+        return self.cluster.api
+
+    def logs(self) -> str:
+        return "\n".join([f"--- controller ---\n{self.controller.tail(120)}"] +
+                         [f"--- agent {a.node} ---\n{a.tail(60)}" for a in self.agents])
+
+
+async def start_env(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj], *,
+                    controller_args: list[str] | None = None, prefix: str = "dynsnap-ctl-") -> CtlEnv:
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    driver = build_stub_driver(work / "stubcuda")
+    await install_dynsnap(cluster)
+    agent_cfg = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
+    ctl_cfg = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=CONTROLLER_SA, path=work / "ctl.kubeconfig")
+    agents = [AgentProc(node, agent_cfg, work / node, driver) for node in NODES]
+    for a in agents:
+        await a.start()
+    controller = ControllerProc(ctl_cfg, work / "controller",
+                                extra=["--verify-timeout", "30", "--quiesce-timeout", "60", *(controller_args or [])])
+    await controller.start()
+    graph = await D.deploy(cluster, make_body(driver), wait=False)
+    pods = [p for ps in graph.pods.values() for p in ps]
+    # The controller sets every new worker's serving gate (a gate nobody sets is never Ready).
+    await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=120) for p in pods))
+    fe = D.FrontendClient(graph.frontend)
+    await fe.wait_model()
+    return CtlEnv(cluster, graph, fe, agents, controller, driver, work, ctl_cfg)
+
+
+async def stop_env(env: CtlEnv) -> None:
+    await env.fe.close()
+    await env.controller.stop()
+    await asyncio.gather(*(a.stop() for a in env.agents), return_exceptions=True)
+    await D.teardown(env.cluster, env.graph)
+
+
+@contextlib.asynccontextmanager
+async def running(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj], **kw: Any
+                  ) -> AsyncIterator[CtlEnv]:
+    env = await start_env(cluster, make_body, **kw)
+    try:
+        yield env
+    except BaseException:
+        print(env.logs())
+        raise
+    finally:
+        await stop_env(env)
+
+
+async def get_ws(api: Kube, pod: RunningPod) -> Obj | None:
+    with contextlib.suppress(NotFound):
+        return await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+    return None
+
+
+def cond(ws: Obj | None, ctype: str) -> Obj | None:
+    return next((c for c in ((ws or {}).get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
+
+
+def asleep(ws: Obj | None) -> bool:
+    c = cond(ws, "Suspended")
+    return bool(ws and ws["spec"]["desiredState"] == "Suspended" and (ws.get("status") or {}).get("state") ==
+                "Suspended" and c and c["status"] == "True")
+
+
+def verified_after(since: str | None) -> Callable[[Obj | None], bool]:
+    """A WorkerSnapshot whose latest wake (id other than ``since``) the controller verified."""
+    def check(ws: Obj | None) -> bool:
+        st = (ws or {}).get("status") or {}
+        v = (st.get("controller") or {}).get("verification") or {}
+        wake = st.get("lastWake") or {}
+        return bool(wake.get("id") and wake.get("id") != since and v.get("wakeId") == wake.get("id")
+                    and v.get("ok") is True)
+    return check
+
+
+async def wait_ws(env: CtlEnv, pod: RunningPod, what: str, check: Callable[[Obj | None], bool],
+                  timeout: float = 120) -> Obj:
+    async def probe() -> Obj | None:
+        ws = await get_ws(env.api, pod)
+        return ws if check(ws) else None
+    try:
+        ws: Obj = await wait_for(f"{pod.name}: {what}", probe, timeout=timeout, interval=0.3)
+    except TimeoutError:
+        last = await get_ws(env.api, pod)
+        print("LAST STATUS:", yaml.safe_dump((last or {}).get("status")))
+        raise
+    return ws
+
+
+async def events_for(api: Kube, namespace: str, name: str) -> list[Obj]:
+    evs = await api.list(R.EVENTS, namespace=namespace)
+    return [e for e in evs.get("items", []) if (e.get("regarding") or {}).get("name") == name]
