@@ -1,0 +1,338 @@
+"""`dynsnap status`, `dynsnap suspend POD`, `dynsnap wake POD`: what a person runs (layer: controller).
+
+``status`` lists the WorkerSnapshots of a namespace (or all) through an ``Informer`` and prints a
+table (``dynsnap.controller.userview``); with ``watch`` it keeps watching and prints again every
+row whose content changed, until SIGINT/SIGTERM.
+
+``request`` is the manual override: after checking that the pod exists and that dynsnap manages it
+(it has a WorkerSnapshot naming its UID), it merge-patches the pod's ``dynsnap.io/desired-state``
+annotation (with the pod's UID in the patch, so a pod recreated in between is refused, not
+annotated) and follows the pod's WorkerSnapshot through an ``Informer`` (a field selector on its
+name), printing what ``dynsnap.controller.progress.Tracker`` makes of each change, until its
+outcome (exit 0 or 1), or ``timeout`` seconds (exit 3, with what was last seen). Bad input (no such
+pod, a pod dynsnap does not manage, a bad name, a request RBAC refuses) is exit 2, nothing changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import yaml
+
+from dynsnap.controller import userview as U
+from dynsnap.controller.progress import ANNOTATION_VALUE, FAILED, OK, TIMEOUT, USAGE, Outcome, Tracker
+from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import ConfigError, Forbidden, Invalid, K8sError, NotFound, RetryExhausted, Unauthorized
+from dynsnap.k8s.informer import Informer
+from dynsnap.k8s.store import DELETED
+from dynsnap.k8s.times import now as utcnow
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.workersnapshot import DNS1123_LABEL, DNS1123_SUBDOMAIN
+
+# How long the first list may take before the command gives up: a person is waiting.
+SYNC_TIMEOUT: Final = 60.0
+# Pod reads for the DGD/component columns run at most this many at once: a fleet of thousands is
+# read in a few seconds without a burst the API server's priority and fairness would throttle.
+POD_READS: Final = 16
+
+
+class UsageError(Exception):
+    """Bad input or a refused request, found before anything changed (exit 2)."""
+
+
+# -- connecting ---------------------------------------------------------------------------------------
+
+def _kubeconfig_path(explicit: str | None) -> str | None:
+    """--kubeconfig, then $KUBECONFIG (its first file), then ~/.kube/config when it exists, as kubectl."""
+    if explicit:
+        if not Path(explicit).is_file():
+            raise UsageError(f"kubeconfig {explicit} does not exist")
+        return explicit
+    env = os.environ.get("KUBECONFIG", "")
+    first = next((p for p in env.split(os.pathsep) if p), None)
+    if first:
+        if not Path(first).is_file():
+            raise UsageError(f"kubeconfig {first} (from $KUBECONFIG) does not exist")
+        return first
+    home = Path.home() / ".kube" / "config"
+    return str(home) if home.is_file() else None
+
+
+def _context_namespace(path: str) -> str | None:
+    """The namespace of the kubeconfig's current context, if it names one."""
+    try:
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    current = cfg.get("current-context")
+    for ctx in cfg.get("contexts") or []:
+        if ctx.get("name") == current:
+            ns = (ctx.get("context") or {}).get("namespace")
+            return str(ns) if ns else None
+    return None
+
+
+async def connect(kubeconfig: str | None) -> tuple[Kube, str]:
+    """A client (kubeconfig, else in-cluster) and the namespace commands default to."""
+    path = _kubeconfig_path(kubeconfig)
+    ns = _context_namespace(path) if path is not None else None
+    try:
+        if path is not None:
+            kube = await Kube.from_kubeconfig(path, field_manager=P.CLI_FIELD_MANAGER)
+            return kube, ns or "default"
+        kube = Kube.in_cluster(field_manager=P.CLI_FIELD_MANAGER)
+    except ConfigError as e:
+        raise UsageError(f"no cluster to talk to: pass --kubeconfig or set KUBECONFIG ({e})") from e
+    except UsageError:
+        raise
+    except Exception as e:  # kubernetes_asyncio's own config errors: a bad file, an unknown context
+        raise UsageError(f"kubeconfig {path}: {type(e).__name__}: {e}") from e
+    return kube, kube.namespace or "default"
+
+
+def explain(e: BaseException) -> str:
+    """A refused or failed request in words a person can act on."""
+    if isinstance(e, Forbidden):
+        return (f"forbidden: {e.message} (the dynsnap-user ClusterRole of deploy/rbac/user.yaml grants what "
+                "these commands need)")
+    if isinstance(e, Unauthorized):
+        return f"unauthorized: the API server refused these credentials ({e.message})"
+    if isinstance(e, RetryExhausted):
+        return f"cannot reach the API server: {e.last}"
+    return f"{type(e).__name__}: {e}"
+
+
+def check_name(what: str, value: str, pattern: str) -> None:
+    if not re.match(pattern, value) or len(value) > 253:
+        raise UsageError(f"{what} {value!r} is not a valid Kubernetes name")
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+class _Pods:
+    """Pod reads for the DGD/component columns: each pod read once (labels of a pod never change its
+    graph), a few at a time; a pod that is gone or unreadable leaves the columns empty."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.cache: dict[str, Obj | None] = {}
+        self.sem = asyncio.Semaphore(POD_READS)
+
+    async def get(self, ws: Obj) -> Obj | None:
+        meta = ws.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if P.LABEL_DGD_NAME in labels and P.LABEL_COMPONENT in labels:
+            return None  # the WorkerSnapshot carries them: no read needed
+        ns, name = meta.get("namespace"), (ws.get("spec") or {}).get("podName") or meta.get("name")
+        key = f"{ns}/{name}/{(ws.get('spec') or {}).get('podUID')}"
+        if key not in self.cache:
+            async with self.sem:
+                try:
+                    self.cache[key] = await self.kube.get(R.PODS, str(name), namespace=ns)
+                except K8sError:
+                    self.cache[key] = None
+        return self.cache[key]
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+async def _preflight(kube: Kube, namespace: str | None) -> None:
+    """One cheap list, so that a refusal (RBAC, no CRD) is an error now, not an informer retrying."""
+    try:
+        await kube.list(R.WORKER_SNAPSHOTS, namespace=namespace, limit=1)
+    except NotFound as e:
+        raise UsageError("the WorkerSnapshot CRD is not installed in this cluster "
+                         "(`dynsnap crd | kubectl apply -f -`)") from e
+    except K8sError as e:
+        raise UsageError(explain(e)) from e
+
+
+async def status(kube: Kube, *, namespace: str | None, watch: bool, output: str, out: TextIO, err: TextIO,
+                 stop: asyncio.Event | None = None) -> int:
+    """Print the table (or JSON) of the workers in ``namespace`` (None: all); with ``watch``, then every
+    changed row, until ``stop`` is set (SIGINT/SIGTERM set it)."""
+    if namespace is not None:
+        check_name("namespace", namespace, DNS1123_LABEL)
+    await _preflight(kube, namespace)
+    stop = stop or asyncio.Event()
+    _stop_on_signals(stop)
+    pods = _Pods(kube)
+    changes: asyncio.Queue[tuple[str, Obj]] = asyncio.Queue()
+    informer = Informer(kube, R.WORKER_SNAPSHOTS, namespace=namespace, name="dynsnap-status")
+    informer.add_handler(lambda typ, obj: changes.put_nowait((typ, obj)) if informer.synced else None)
+
+    def emit(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    async with informer:
+        await informer.wait_synced(SYNC_TIMEOUT)
+        objs = informer.store.list()
+        rows = [U.row(ws, pod) for ws, pod in zip(objs, await asyncio.gather(*map(pods.get, objs)), strict=True)]
+        now = utcnow()
+        namespaced = namespace is None
+        shown: dict[str, Any] = {}
+        for r in rows:
+            shown[r.key] = U.as_json(r, now) | {"idleSeconds": None}
+        if output == "json" and not watch:
+            emit(json.dumps({"items": [U.as_json(r, now) for r in sorted(rows, key=U.sort_key)]}, indent=2))
+            return OK
+        if output == "json":
+            for r in sorted(rows, key=U.sort_key):
+                emit(json.dumps({"type": "ADDED", "row": U.as_json(r, now)}))
+        elif rows:
+            for line in U.table(rows, now, namespaced=namespaced):
+                emit(line)
+        else:
+            err.write(f"No WorkerSnapshots in {'any namespace' if namespaced else f'namespace {namespace}'}.\n")
+            err.flush()
+            if not watch:
+                return OK
+        if not watch:
+            return OK
+        w = U.widths([U.HEADER, *(U.cells(r, now, namespaced=namespaced) for r in rows)])
+        if not rows and output != "json":
+            emit(U.format_line(U.HEADER, w))
+        stopped = asyncio.ensure_future(stop.wait())
+        watching = informer.start()  # the running task: it ends only by failing (InformerFailed)
+        try:
+            while not stop.is_set():
+                got = asyncio.ensure_future(changes.get())
+                await asyncio.wait([got, stopped, watching], return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    break
+                typ, ws = got.result()
+                r = U.row(ws, await pods.get(ws))
+                now = utcnow()
+                # Compare without the ages: a row is news when what it says changed, not its clock.
+                sig = U.as_json(r, now) | {"idleSeconds": None}
+                if typ != DELETED and shown.get(r.key) == sig:
+                    continue
+                shown[r.key] = sig
+                if output == "json":
+                    emit(json.dumps({"type": typ, "row": U.as_json(r, now)}))
+                    continue
+                cols = U.cells(r, now, namespaced=namespaced)
+                if typ == DELETED:
+                    shown.pop(r.key, None)
+                    cols = (*cols[:3], "(deleted)", *cols[4:])
+                w = [max(a, len(b)) for a, b in zip(w, cols, strict=True)]
+                emit(U.format_line(cols, w))
+        finally:
+            stopped.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopped
+        if informer.failure is not None:
+            raise informer.failure
+    return OK
+
+
+# -- suspend / wake ----------------------------------------------------------------------------------
+
+async def _target(kube: Kube, namespace: str, pod: str) -> tuple[Obj, Obj]:
+    """The pod and its WorkerSnapshot, or the reason there is nothing to act on."""
+    try:
+        obj = await kube.get(R.PODS, pod, namespace=namespace)
+    except NotFound as e:
+        hint = ""
+        with contextlib.suppress(K8sError):
+            listed = await kube.list(R.WORKER_SNAPSHOTS, namespace=namespace, limit=1)
+            if not listed.get("items"):
+                hint = f" (namespace {namespace!r} has no dynsnap workers: is it the right one? -n NAMESPACE)"
+        raise UsageError(f"pod {namespace}/{pod} not found{hint}; nothing changed") from e
+    except K8sError as e:
+        raise UsageError(f"{explain(e)}; nothing changed") from e
+    try:
+        ws = await kube.get(R.WORKER_SNAPSHOTS, pod, namespace=namespace)
+    except NotFound as e:
+        raise UsageError(f"pod {namespace}/{pod} has no WorkerSnapshot: dynsnap does not manage it (its DGD "
+                         f"component is not opted in with {P.ANN_ENABLED}: \"true\", or the controller has not "
+                         "picked it up yet); nothing changed") from e
+    except K8sError as e:
+        raise UsageError(f"{explain(e)}; nothing changed") from e
+    uid = obj["metadata"]["uid"]
+    if (ws.get("spec") or {}).get("podUID") != uid:
+        raise UsageError(f"the WorkerSnapshot {namespace}/{pod} names the pod with UID "
+                         f"{(ws.get('spec') or {}).get('podUID')}, the pod now has UID {uid}: it was recreated "
+                         "and the controller has not caught up yet; try again shortly. Nothing changed")
+    return obj, ws
+
+
+async def request(kube: Kube, *, action: str, namespace: str, pod: str, timeout: float, follow: bool,
+                  out: TextIO, clock: Callable[[], float] = time.monotonic) -> int:
+    """Set the override on ``pod`` and (``follow``) print progress until the outcome; the exit code."""
+    started = clock()
+    check_name("namespace", namespace, DNS1123_LABEL)
+    check_name("pod", pod, DNS1123_SUBDOMAIN)
+    obj, ws = await _target(kube, namespace, pod)
+    value = ANNOTATION_VALUE[action]
+    before = (obj["metadata"].get("annotations") or {}).get(P.ANN_DESIRED_STATE)
+    # The UID in the patch makes the API server refuse it (immutable field) if the pod was recreated
+    # since we read it: the override goes on the pod that was checked, or nowhere.
+    patch = {"metadata": {"uid": obj["metadata"]["uid"], "annotations": {P.ANN_DESIRED_STATE: value}}}
+    try:
+        await kube.merge_patch(R.PODS, pod, patch, namespace=namespace)
+    except Invalid as e:
+        raise UsageError(f"pod {namespace}/{pod} was recreated while this ran ({e.message}); nothing changed") from e
+    except NotFound as e:
+        raise UsageError(f"pod {namespace}/{pod} was deleted while this ran; nothing changed") from e
+    except K8sError as e:
+        raise UsageError(f"{explain(e)}; nothing changed") from e
+
+    def emit(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    emit(f"pod {namespace}/{pod}: {P.ANN_DESIRED_STATE}={value} (was: {before or 'unset'})")
+    if not follow:
+        return OK
+    tracker = Tracker(action, ws)
+    emit(f"following WorkerSnapshot {namespace}/{pod} (timeout {timeout:.0f}s): "
+         f"{U.summary(tracker.last, utcnow())}")
+    seen: asyncio.Queue[tuple[str, Obj]] = asyncio.Queue()
+    informer = Informer(kube, R.WORKER_SNAPSHOTS, namespace=namespace, field_selector=f"metadata.name={pod}",
+                        name=f"dynsnap-{action}")
+    informer.add_handler(lambda typ, o: seen.put_nowait((typ, o)))
+    async with informer:
+        while True:
+            left = timeout - (clock() - started)
+            if left <= 0:
+                break
+            try:
+                typ, o = await asyncio.wait_for(seen.get(), timeout=left)
+            except TimeoutError:
+                break
+            outcome: Outcome | None
+            if typ == DELETED:
+                outcome = tracker.deleted()
+            else:
+                upd = tracker.observe(o)
+                for line in upd.lines:
+                    emit(f"  {line}")
+                outcome = upd.outcome
+            if outcome is not None:
+                emit(outcome.line)
+                return outcome.code
+    why = f" (watch failing: {informer.stats.last_error})" if informer.stats.consecutive_failures else ""
+    emit(f"timed out after {timeout:.0f}s{why}; last seen: {U.summary(tracker.last, utcnow())}")
+    return TIMEOUT
+
+
+# The exit codes, with the commands (the CLI maps errors to them).
+__all__ = ["FAILED", "OK", "TIMEOUT", "USAGE", "UsageError", "connect", "explain", "request", "status"]
