@@ -1,20 +1,26 @@
-"""``dynsnap demo``: the main job on the local environment, with a readable timeline.
+"""``dynsnap demo``: the main job on the local environment, told by dynsnap itself.
 
-Brings up the real control plane (etcd, kube-apiserver, kube-controller-manager), kwok, and a
-Dynamo frontend with two mocker workers under dynsnap-entrypoint in pod sandboxes; installs
-dynsnap's CRD and the node agent's RBAC, and starts one agent per fake node as its own process
-under its service account. Then it plays the controller (a later issue builds it): takes one
-worker out of serving, sets its WorkerSnapshot to ``Suspended`` and watches the agent capture it
-(CRIU dump onto node disk, the pod and its PID 1 staying), sets ``Active`` and watches the agent
-wake it in place, and verifies the wake: same pod UID, IP, DWM UID and instance id, the
-EndpointSlice endpoint ready with the same targetRef, 3/3 requests pinned to it answered by it, no
-liveness restart. Every step is printed with the duration the agent measured (read from the
-WorkerSnapshot's status). Tears everything down; exit 0 only if every check held.
+Brings up the real control plane (etcd, kube-apiserver, kube-controller-manager), kwok and the pod
+sandboxes; installs dynsnap's CRD and the shipped RBAC; starts one node agent per fake node and the
+controller, each as its own process under its own service account. Then it only applies an
+annotated DynamoGraphDeployment (a Dynamo frontend and three mocker workers under
+dynsnap-entrypoint, ``min-active: 1``) and a load generator, and narrates what the controller and
+the agents do on their own, read from WorkerSnapshot status and Events:
+
+1. the workers go idle and are captured down to one (quiesce: serving gate False, endpoint not
+   ready, frontend no longer routing, nothing in flight; then the agent's capture steps);
+2. load arrives through the frontend; the controller wakes the sleepers in place and proves each
+   wake with requests pinned to it;
+3. a table of every capture and wake with each step's measured duration, and the checks: every
+   request answered, every wake verified N/N, pod UIDs, IPs, DWMs unchanged, no liveness restart.
+
+Tears everything down; exit 0 only if every check held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -22,18 +28,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dynsnap.k8s.client import Obj
+import httpx
+
+from dynsnap.k8s.client import Kube, Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv import dynsnap_parts as DS
-from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster, wait_for
 from dynsnap.testenv.netns import SandboxNetwork
 
 DEMO_BRIDGE = "dsndemo0"
 DEMO_CIDR = "10.214.0.0/16"
 TIER = "snapshot"
+WORKERS = 3
+POLICY = {"enabled": "true", "idle-after": "4s", "tier": TIER, "min-active": "1", "verify-requests": "3",
+          "wake-at-inflight": "1"}
 
 
 class Timeline:
@@ -52,65 +62,118 @@ class Timeline:
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
-    return "\n".join(lines)
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows])
 
 
-def _steps(record: dict[str, Any]) -> str:
-    return ", ".join(f"{s['name']} {s['seconds']:.2f}s" for s in record.get("steps") or [])
+def _steps(record: dict[str, Any] | None) -> str:
+    return ", ".join(f"{s['name']} {s['seconds']:.2f}s" for s in (record or {}).get("steps") or [])
 
 
-async def _summary(cluster: LocalCluster, served: dict[str, list[str]]) -> str:
-    api = cluster.api
-    pods = (await api.list(R.PODS, namespace=TEST_NAMESPACE))["items"]
-    dwms = (await api.list(R.DWMS, namespace=TEST_NAMESPACE))["items"]
-    slices = (await api.list(R.ENDPOINT_SLICES, namespace=TEST_NAMESPACE,
-                             label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true"))["items"]
-    snaps = (await api.list(R.WORKER_SNAPSHOTS, namespace=TEST_NAMESPACE))["items"]
-    out: list[str] = []
+class Narrator:
+    """Prints what dynsnap does, as it shows in WorkerSnapshot status and Events (polled; read-only)."""
 
-    def ready(p: dict[str, Any]) -> str:
-        conds = {c["type"]: c["status"] for c in p.get("status", {}).get("conditions") or []}
-        return str(conds.get("Ready", "?"))
-    out.append("Pods\n" + _table([[p["metadata"]["name"], p["metadata"]["uid"][:8], p["status"].get("podIP", ""),
-                                   p["spec"].get("nodeName", ""), ready(p)] for p in pods],
-                                 ["NAME", "UID", "IP", "NODE", "READY"]))
-    out.append("DynamoWorkerMetadata\n" + _table(
-        [[d["metadata"]["name"], d["metadata"]["uid"][:8],
-          ",".join(o["uid"][:8] for o in d["metadata"].get("ownerReferences", [])),
-          str(instance_id_from_dwm(d))] for d in dwms],
-        ["NAME", "UID", "OWNER-POD-UID", "INSTANCE-ID"]))
-    eps = [[s["metadata"]["name"], e.get("targetRef", {}).get("name", ""), ",".join(e.get("addresses", [])),
-            str(e.get("conditions", {}).get("ready"))] for s in slices for e in s.get("endpoints") or []]
-    out.append("EndpointSlices (discovery-enabled)\n" + _table(eps, ["SLICE", "POD", "ADDRESS", "READY"]))
+    def __init__(self, api: Kube, tl: Timeline) -> None:
+        self.api = api
+        self.tl = tl
+        self.seen: dict[str, dict[str, Any]] = {}
+        self.events: set[str] = set()
+        self.history: dict[str, list[dict[str, Any]]] = {}  # pod -> finished operations, in order
 
-    def cond(ws: Obj, t: str) -> str:
-        c = next((c for c in ws.get("status", {}).get("conditions") or [] if c["type"] == t), None)
-        return f"{c['status']}/{c['reason']}" if c else "-"
-    out.append("WorkerSnapshots (kubectl get wsnap)\n" + _table(
-        [[w["metadata"]["name"], w["spec"]["tier"], w["spec"]["desiredState"], w.get("status", {}).get("state", ""),
-          cond(w, "Suspended"), cond(w, "Degraded")] for w in snaps],
-        ["NAME", "TIER", "DESIRED", "STATE", "SUSPENDED", "DEGRADED"]))
-    out.append("Who served what\n" + _table([[k, " ".join(v)] for k, v in served.items()], ["REQUEST", "ANSWERED BY"]))
-    return "\n\n".join(out)
+    async def poll(self) -> None:
+        snaps = (await self.api.list(R.WORKER_SNAPSHOTS, namespace=TEST_NAMESPACE))["items"]
+        for ws in snaps:
+            self._ws(ws)
+        evs = (await self.api.list(R.EVENTS, namespace=TEST_NAMESPACE))["items"]
+        for e in sorted(evs, key=lambda e: e.get("eventTime") or e["metadata"].get("creationTimestamp") or ""):
+            uid = e["metadata"]["uid"]
+            if uid in self.events or not str(e.get("reportingController", "")).startswith(P.DYNSNAP_GROUP):
+                continue
+            self.events.add(uid)
+            who = str(e.get("reportingController", "")).removeprefix(P.DYNSNAP_GROUP + "/")
+            self.tl.step(f"  event  {who:<10} {e.get('type'):<7} {e['reason']:<18} "
+                         f"{(e.get('regarding') or {}).get('name')}: {e.get('note', '')[:150]}")
+
+    def _ws(self, ws: Obj) -> None:
+        name = ws["metadata"]["name"]
+        st = ws.get("status") or {}
+        rec = st.get("controller") or {}
+        last = self.seen.setdefault(name, {})
+        hist = self.history.setdefault(name, [])
+        q = rec.get("quiesce") or {}
+        if q.get("finished") and q.get("ok") and last.get("quiesce") != q.get("id"):
+            last["quiesce"] = q.get("id")
+            hist.append({"op": "quiesce", "steps": q.get("steps") or []})
+            self.tl.step(f"{name}: quiesced by the controller: {_steps(q)}")
+        cap = st.get("lastCapture") or {}
+        if cap.get("finished") and last.get("capture") != cap.get("id"):
+            last["capture"] = cap.get("id")
+            hist.append({"op": f"capture ({cap.get('tier')})", "steps": cap.get("steps") or [], "ok": cap.get("ok")})
+            freed = st.get("image") or {}
+            self.tl.step(f"{name}: captured by the agent ({cap.get('tier')}, ok={cap.get('ok')}): {_steps(cap)}"
+                         + (f"; image {freed.get('bytes', 0) / 2**20:.0f} MiB" if freed else ""))
+        wake = st.get("lastWake") or {}
+        if wake.get("finished") and last.get("wake") != wake.get("id"):
+            last["wake"] = wake.get("id")
+            hist.append({"op": f"wake ({wake.get('tier')})", "steps": wake.get("steps") or [], "ok": wake.get("ok")})
+            self.tl.step(f"{name}: woken in place by the agent (ok={wake.get('ok')}): {_steps(wake)}")
+        v = rec.get("verification") or {}
+        if v.get("finished") and last.get("verified") != (v.get("wakeId"), v.get("ok")):
+            last["verified"] = (v.get("wakeId"), v.get("ok"))
+            hist.append({"op": "verify", "steps": v.get("steps") or [], "ok": v.get("ok")})
+            self.tl.step(f"{name}: verification {'PASSED' if v.get('ok') else 'FAILED'} ({v.get('reason')}): "
+                         f"{v.get('answered')}/{v.get('requests')} pinned answers; {_steps(v)}")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        n = 0
+        while not stop.is_set() and n < 100_000:
+            n += 1
+            with contextlib.suppress(Exception):
+                await self.poll()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.25)
 
 
-async def _pinned(fe: D.FrontendClient, tl: Timeline, pod: RunningPod, wid: int, served: dict[str, list[str]],
-                  label: str, n: int = 3) -> None:
-    got = []
-    for i in range(n):
-        res = await fe.chat(f"{label} {i}", worker_id=wid)
-        got.append(str(res.worker_id) if res.status == 200 else f"HTTP {res.status}")
-    served[f"{label} (pinned {pod.name}={wid})"] = got
-    tl.check(got == [str(wid)] * n, f"{n}/{n} requests pinned to {pod.name} answered by it ({label})")
+class LoadGen:
+    """Unpinned chat completions through the frontend from ``clients`` concurrent clients."""
+
+    def __init__(self, fe: D.FrontendClient, clients: int, *, pause: float = 0.0, max_tokens: int = 40) -> None:
+        self.fe, self.clients, self.pause, self.max_tokens = fe, clients, pause, max_tokens
+        self.ok = 0
+        self.failed: list[str] = []
+        self.stop_ev = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
+
+    async def _client(self, i: int) -> None:
+        n = 0
+        while not self.stop_ev.is_set() and n < 10_000:
+            n += 1
+            try:
+                r = await self.fe.chat(f"load {i}.{n}", max_tokens=self.max_tokens)
+                if r.status == 200:
+                    self.ok += 1
+                else:
+                    self.failed.append(f"HTTP {r.status}")
+            except httpx.HTTPError as e:
+                self.failed.append(f"{type(e).__name__}")
+            if self.pause:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop_ev.wait(), self.pause)
+
+    async def stop(self) -> None:
+        self.stop_ev.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _ws(cluster: LocalCluster, pod: RunningPod, state: str, *, timeout: float = 120) -> Obj:
-    async def reached() -> Obj | None:
-        ws = await cluster.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-        return ws if (ws.get("status") or {}).get("state") == state else None
-    ws: Obj = await wait_for(f"WorkerSnapshot {pod.name} {state}", reached, timeout=timeout, interval=0.1)
-    return ws
+async def _snapshots(api: Kube) -> list[Obj]:
+    items: list[Obj] = (await api.list(R.WORKER_SNAPSHOTS, namespace=TEST_NAMESPACE))["items"]
+    return items
+
+
+def _asleep(ws: Obj) -> bool:
+    return ws["spec"]["desiredState"] == "Suspended" and (ws.get("status") or {}).get("state") == "Suspended"
 
 
 async def _run(workdir: Path) -> int:
@@ -119,88 +182,114 @@ async def _run(workdir: Path) -> int:
     cluster = LocalCluster(workdir / "cluster", net=SandboxNetwork(bridge=DEMO_BRIDGE, cidr=DEMO_CIDR))
     tl.step("starting etcd, kube-apiserver, kube-controller-manager, kwok, sandbox network")
     await cluster.start()
-    served: dict[str, list[str]] = {}
     agents: list[DS.AgentProc] = []
+    controller: DS.ControllerProc | None = None
+    stop_narrator = asyncio.Event()
+    narrator_task: asyncio.Task[None] | None = None
     try:
         assert cluster.cp is not None
         tl.step(f"control plane up at {cluster.cp.url}; logs in {cluster.cp.logs_dir}")
         driver = DS.build_stub_driver(workdir / "stubcuda")
         await DS.install_dynsnap(cluster)
-        kubeconfig = await DS.token_kubeconfig(cluster, namespace=DS.AGENT_NS, sa=DS.AGENT_SA,
-                                               path=workdir / "agent.kubeconfig")
-        tl.step("installed CRD workersnapshots.dynsnap.io and the agent's RBAC (deploy/rbac/agent.yaml); "
-                "the agent's token comes from the TokenRequest API")
-        body = D.dgd("demo", [D.frontend_component(), DS.worker_component("worker", replicas=2, driver=driver)])
-        tl.step("applying DGD demo (frontend + 2 mocker workers under dynsnap-entrypoint) via stub_operator")
-        graph = await DS.deploy_serving(cluster, body)
-        tl.step("all pods Ready: " + ", ".join(f"{p.name}@{p.ip}" for ps in graph.pods.values() for p in ps))
+        agent_cfg = await DS.token_kubeconfig(cluster, namespace=DS.AGENT_NS, sa=DS.AGENT_SA,
+                                              path=workdir / "agent.kubeconfig")
+        ctl_cfg = await DS.token_kubeconfig(cluster, namespace=DS.AGENT_NS, sa=DS.CONTROLLER_SA,
+                                            path=workdir / "controller.kubeconfig")
+        tl.step("installed CRD workersnapshots.dynsnap.io and the shipped RBAC (deploy/rbac/); the agents' and "
+                "the controller's tokens come from the TokenRequest API")
         for node in NODES:
-            a = DS.AgentProc(node, kubeconfig, workdir / f"agent-{node}", driver)
+            a = DS.AgentProc(node, agent_cfg, workdir / f"agent-{node}", driver)
             await a.start()
             agents.append(a)
-        tl.step(f"node agents running on {', '.join(NODES)} (one process each; logs in {workdir})")
+        controller = DS.ControllerProc(ctl_cfg, workdir / "controller",
+                                       extra=["--trace-file", str(workdir / "controller" / "traces.jsonl")])
+        await controller.start()
+        tl.step(f"node agents on {', '.join(NODES)} and the controller running, each its own process "
+                f"(logs in {workdir})")
+        worker = D.mocker_component("worker", replicas=WORKERS, dynsnap=True, speedup_ratio=1,
+                                    env={"LD_PRELOAD": str(driver.libcuda)})
+        body = D.dgd("demo", [D.frontend_component(), worker])
+        body["metadata"]["annotations"] = {f"{P.ANNOTATION_PREFIX}{k}": v for k, v in POLICY.items()}
+        tl.step("applying DGD demo: frontend + 3 mocker workers under dynsnap-entrypoint, annotated "
+                + ", ".join(f"{k}={v}" for k, v in POLICY.items()))
+        graph = await D.deploy(cluster, body, wait=False)
+        pods = [p for ps in graph.pods.values() for p in ps]
+        await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=120) for p in pods))
+        tl.step("all pods Ready (the controller set each worker's serving gate): "
+                + ", ".join(f"{p.name}@{p.ip}" for p in pods))
+        narrator = Narrator(cluster.api, tl)
+        narrator_task = asyncio.create_task(narrator.run(stop_narrator))
         fe = D.FrontendClient(graph.frontend)
+        workers = graph.workers("worker")
+        before = {p.name: await cluster.api.get(R.PODS, p.name, namespace=p.namespace) for p in workers}
+        trickle = LoadGen(fe, 1, pause=3.0, max_tokens=2)
+        burst = LoadGen(fe, 6, max_tokens=60)
         try:
             await fe.wait_model()
-            res = await fe.chat("Hello from the dynsnap demo!")
-            served["chat (unpinned)"] = [str(res.worker_id)]
-            tl.check(res.status == 200 and bool(res.text), f"chat completion served: {res.text!r}")
-            workers = graph.workers("worker")
-            ids = {p.name: await D.instance_id(cluster, p) for p in workers}
-            for p in workers:
-                await fe.wait_routable(ids[p.name])
-            tl.step("the frontend has discovered both workers (EndpointSlice + DWM)")
-            for p in workers:
-                await _pinned(fe, tl, p, ids[p.name], served, "before")
+            tl.step("phase 1: a trickle of requests (one every 3 s); idle workers are captured down to min-active")
+            trickle.start()
 
-            sleeper, other = workers[1], workers[0]
-            await cluster.api.create(R.WORKER_SNAPSHOTS, DS.ws_body(sleeper, tier=TIER))
-            ws = await _ws(cluster, sleeper, "Active")
-            tl.step(f"WorkerSnapshot {sleeper.name} (tier {TIER}) accepted by the agent on {sleeper.node}: "
-                    "it found the worker by its pod UID in /proc and its entrypoint's control directory")
-            before_pod = await cluster.api.get(R.PODS, sleeper.name, namespace=sleeper.namespace)
-            before_dwm = await cluster.api.get(R.DWMS, sleeper.name, namespace=sleeper.namespace)
-            tl.step(f"quiesce {sleeper.name}: readiness gate {P.CONDITION_SERVING}=False (the controller's job)")
-            await cluster.set_serving_gate(sleeper, False)
-            await cluster.wait_ready(sleeper.namespace, sleeper.name, ready=False, timeout=30)
-            tl.step("pod not Ready, its EndpointSlice entry not ready; desiredState: Suspended")
-            await DS.set_desired(cluster.api, sleeper, "Suspended")
-            ws = await _ws(cluster, sleeper, "Suspended")
-            cap = ws["status"]["lastCapture"]
-            image = ws["status"].get("image") or {}
-            tl.step(f"agent captured it: {_steps(cap)}; image {image.get('bytes', 0) / 2**20:.0f} MiB, "
-                    f"mode 0700, format {image.get('format')}; pod and its PID 1 still up")
-            await _pinned(fe, tl, other, ids[other.name], served, "during sleep")
-            tl.step(f"desiredState: Active (wake {sleeper.name} in place)")
-            await DS.set_desired(cluster.api, sleeper, "Active")
-            ws = await _ws(cluster, sleeper, "Active")
-            tl.step(f"agent woke it: {_steps(ws['status']['lastWake'])}")
-            await cluster.set_serving_gate(sleeper, True)
-            await cluster.wait_ready(sleeper.namespace, sleeper.name, timeout=60)
-            after_pod = await cluster.api.get(R.PODS, sleeper.name, namespace=sleeper.namespace)
-            after_dwm = await cluster.api.get(R.DWMS, sleeper.name, namespace=sleeper.namespace)
-            tl.check(after_pod["metadata"]["uid"] == before_pod["metadata"]["uid"]
-                     and after_pod["status"]["podIP"] == before_pod["status"]["podIP"], "same pod UID and IP")
-            tl.check(after_dwm["metadata"]["uid"] == before_dwm["metadata"]["uid"]
-                     and instance_id_from_dwm(after_dwm) == ids[sleeper.name], "same DWM UID and instance id")
-            ep = await cluster.endpoint_of(sleeper, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
-            tl.check(bool(ep and ep.get("conditions", {}).get("ready") and ep["targetRef"]["uid"] == sleeper.uid),
-                     "its EndpointSlice endpoint is ready again, same targetRef.uid")
-            await fe.wait_routable(ids[sleeper.name])
-            tl.step("the frontend routes to it again: same EndpointSlice entry and DWM, no re-registration")
-            await _pinned(fe, tl, sleeper, ids[sleeper.name], served, "after wake")
-            tl.check(sleeper.kubelet.restarts == 0, "no liveness restart while it slept")
-            print("\n" + await _summary(cluster, served) + "\n", flush=True)
+            async def down_to_one() -> bool:
+                return sum(_asleep(w) for w in await _snapshots(cluster.api)) == WORKERS - 1
+            await wait_for("workers captured down to min-active", down_to_one, timeout=180, interval=0.5)
+            sleeping = [w["metadata"]["name"] for w in await _snapshots(cluster.api) if _asleep(w)]
+            tl.step(f"{len(sleeping)} workers asleep ({', '.join(sleeping)}); one serves the trickle")
+            tl.step("phase 2: load arrives (6 concurrent clients through the frontend)")
+            burst.start()
+
+            async def all_verified() -> bool:
+                snaps = {w["metadata"]["name"]: w for w in await _snapshots(cluster.api)}
+                for name in sleeping:
+                    st = snaps[name].get("status") or {}
+                    v = (st.get("controller") or {}).get("verification") or {}
+                    if not (v.get("ok") is True and v.get("wakeId") == (st.get("lastWake") or {}).get("id")):
+                        return False
+                return True
+            await wait_for("every sleeper woken and verified", all_verified, timeout=180, interval=0.5)
+            await asyncio.sleep(1.0)  # a last round of answers from all three before the load stops
         finally:
+            await burst.stop()
+            await trickle.stop()
+            await narrator.poll()
+            stop_narrator.set()
             await fe.close()
+        snaps = {w["metadata"]["name"]: w for w in await _snapshots(cluster.api)}
+        for name in sleeping:
+            v = snaps[name]["status"]["controller"]["verification"]
+            tl.check(v["ok"] is True and v["answered"] == v["requests"] == 3,
+                     f"{name}: wake verified, {v['answered']}/{v['requests']} requests pinned with "
+                     f"{', '.join(v['headers'])} answered by instance {v['workerId']}")
+            after = await cluster.api.get(R.PODS, name, namespace=TEST_NAMESPACE)
+            ident = snaps[name]["status"]["controller"]["identity"]
+            dwm = await cluster.api.get(R.DWMS, name, namespace=TEST_NAMESPACE)
+            tl.check(after["metadata"]["uid"] == before[name]["metadata"]["uid"] == ident["podUID"]
+                     and after["status"]["podIP"] == ident["podIP"] and dwm["metadata"]["uid"] == ident["dwmUID"],
+                     f"{name}: same pod UID, pod IP and DWM UID as before it slept")
+        tl.check(not burst.failed and not trickle.failed,
+                 f"every request through the frontend answered: {burst.ok + trickle.ok} ok, "
+                 f"{len(burst.failed) + len(trickle.failed)} failed")
+        tl.check(all(p.kubelet.restarts == 0 for p in workers), "no liveness restart while workers slept")
+        rows = []
+        for name in sorted(narrator.history):
+            for op in narrator.history[name]:
+                total = sum(s["seconds"] for s in op["steps"])
+                rows.append([name, op["op"], f"{total:.2f}s", _steps(op)])
+        print("\nTimeline of every capture and wake (durations measured by the controller and the agents)\n"
+              + _table(rows, ["WORKER", "OPERATION", "TOTAL", "STEPS"]) + "\n", flush=True)
     finally:
+        stop_narrator.set()
+        if narrator_task is not None:
+            with contextlib.suppress(Exception):
+                await narrator_task
         tl.step("tearing down")
+        if controller is not None:
+            await controller.stop()
         await asyncio.gather(*(a.stop() for a in agents), return_exceptions=True)
         await cluster.stop()
     if tl.failures:
         print("demo FAILED: " + "; ".join(tl.failures), file=sys.stderr)
         return 1
-    tl.step("demo passed: suspend -> wake -> verify held")
+    tl.step("demo passed: idle -> captured -> load -> woken in place -> verified, with no request failed")
     return 0
 
 

@@ -31,6 +31,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.policy import parse_policy
 from dynsnap.runtime.workqueue import WorkQueue, run_workers
+from dynsnap.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -66,10 +67,13 @@ class Controller:
         self.informers = [self.dgds, self.pods, self.dwms, self.slices, self.wss]
         self.queue: WorkQueue[str] = WorkQueue(base_delay=0.2, max_delay=60.0)
         self.frontend = Frontend(timeout=settings.verify_request_timeout)
+        self.metrics = Metrics()
+        self.metrics.add_refresh(self._refresh_metrics)
+        kube.on_request = self.metrics.api_request
         self.events = EventRecorder(kube, reporting_controller=f"{P.DYNSNAP_GROUP}/controller",
                                     reporting_instance=identity or P.CONTROLLER_COMPONENT)
         self.reconciler = Reconciler(kube=kube, settings=settings, frontend=self.frontend, events=self.events,
-                                     hooks=hooks or Hooks(),
+                                     hooks=hooks or Hooks(), metrics=self.metrics,
                                      stores=Stores(dgds=self.dgds.store, pods=self.pods.store, dwms=self.dwms.store,
                                                    slices=self.slices.store, wss=self.wss.store))
         self.pods.add_handler(self._on_pod)
@@ -77,6 +81,32 @@ class Controller:
         self.dwms.add_handler(self._on_named)
         self.slices.add_handler(self._on_slice)
         self.dgds.add_handler(self._on_dgd)
+
+    def _refresh_metrics(self) -> None:
+        """Gauges from the stores, when /metrics is read (nothing is computed while nobody looks)."""
+        self.metrics.set_queue_depth("controller", self.queue.depth)
+        counts: dict[str, int] = {}
+        freed = 0
+        for obj in self.wss.store.list():
+            st = obj.get("status") or {}
+            state = str(st.get("state") or P.ObservedState.UNKNOWN.value)
+            counts[state] = counts.get(state, 0) + 1
+            if state == P.ObservedState.SUSPENDED.value:
+                for g in (st.get("lastCapture") or {}).get("gpus") or []:
+                    before, after = g.get("freeBefore"), g.get("freeAfter")
+                    if isinstance(before, int) and isinstance(after, int) and after > before:
+                        freed += after - before
+        self.metrics.set_workers(counts)
+        self.metrics.set_gpu_bytes_freed(freed)
+
+    async def reconcile(self, key: str) -> float | None:
+        try:
+            again = await self.reconciler.reconcile(key)
+        except Exception:
+            self.metrics.reconciled("controller", "error")
+            raise
+        self.metrics.reconciled("controller", "requeue" if again is not None else "done")
+        return again
 
     # -- event -> keys ----------------------------------------------------------------------------
 
@@ -146,7 +176,9 @@ class Controller:
                 async with sem:
                     try:
                         demand = await self.frontend.demand(url)
+                        self.metrics.frontend_scrape("ok")
                     except FrontendError as e:
+                        self.metrics.frontend_scrape("error")
                         log.debug("%s: %s", key, e)
             before = self.reconciler.demand.get(key)
             self.reconciler.demand[key] = demand
@@ -185,7 +217,7 @@ class Controller:
         for pod in self.pods.store.list():  # everything once: finish what an earlier leader left
             if F.is_worker_pod(pod):
                 self.queue.add(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
-        await run_workers(self.queue, self.reconciler.reconcile, workers=self.settings.workers, name="controller")
+        await run_workers(self.queue, self.reconcile, workers=self.settings.workers, name="controller")
 
     def runnables(self) -> list[tuple[str, Callable[[asyncio.Event], Any]]]:
         return [("frontend demand", self.scrape_loop), ("reconcile", self.reconcile_loop)]

@@ -131,8 +131,9 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
             out[w.name] = Decision(Want.AWAKE, "manual override: active")
             deficit -= 1
         elif deficit > 0 and w.override != suspended_override:
-            why = (f"demand {demand.total:g} needs {need} awake, {need - deficit} are" if demand is not None
-                   else f"min-active {policy.min_active}")
+            why = (f"demand {demand.total:g} (in flight + queued) needs {need} awake at "
+                   f"{policy.wake_at_inflight:g} per worker; {need - deficit} awake or waking"
+                   if demand is not None else f"min-active {policy.min_active}")
             out[w.name] = Decision(Want.AWAKE, why)
             deficit -= 1
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +41,9 @@ from dynsnap.models.workersnapshot import (
     WorkerSnapshot,
     set_condition,
 )
+from dynsnap.telemetry import tracing
+from dynsnap.telemetry.metrics import Metrics
+from dynsnap.telemetry.tracing import new_traceparent
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -53,8 +55,8 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def new_traceparent() -> str:
-    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+def _ms_id(prefix: str, now: datetime) -> str:
+    return f"{prefix}{int(now.timestamp() * 1000)}"
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Reconciler:
     frontend: Frontend
     events: Any = None  # dynsnap.k8s.events.EventRecorder
     hooks: Hooks = field(default_factory=Hooks)
+    metrics: Metrics | None = None
     demand: dict[str, Demand | None] = field(default_factory=dict)  # "ns/dgd" -> frontend demand
     models: dict[str, str] = field(default_factory=dict)  # "ns/dgd" -> model name
     _reported: dict[str, str] = field(default_factory=dict)  # what was last said as an Event, per subject
@@ -169,7 +172,13 @@ class Reconciler:
                      ) -> float | None:
         rec = ws.status.controller or ControllerRecord()
         if ws.spec.desired_state == DesiredState.SUSPENDED:
-            await self._apply_spec(ws, desired=DesiredState.ACTIVE, traceparent=new_traceparent())
+            now = utcnow()
+            tp = new_traceparent()
+            self._close_capture(ws, rec, now)
+            rec.wake = OperationRecord(id=_ms_id("w", now), tier=ws.spec.tier, started=now, trace_context=tp)
+            rec.decision, rec.decided = f"wake: {d.why}", now
+            await self._write(ws, rec)  # the wake's start and trace on record before it is asked for
+            await self._apply_spec(ws, desired=DesiredState.ACTIVE, traceparent=tp)
             await self._say(pod, "Normal", Reason.WAKE_REQUESTED, f"wake: {d.why}")
             return POLL
         if phase == Phase.QUIESCING:
@@ -275,6 +284,7 @@ class Reconciler:
                      f"instance {wid if role != F.Role.PREFILL else pid}; pod UID, IP, DWM UID and instance id "
                      "unchanged; endpoint ready")
         rec.decision, rec.decided = "verified", utcnow()
+        self._close_wake(ws, rec, v)
         await self._write(ws, rec, verified=(True, Reason.VERIFIED, v.message))
         await self._say(pod, "Normal", Reason.VERIFIED, v.message)
         if self.hooks.on_verified:
@@ -346,6 +356,7 @@ class Reconciler:
         fallback = policy.on_failed_wake
         v.fallback = Reason.COLD_RESTART.value if fallback == "restart" else "none"
         rec.decision, rec.decided = f"wake failed: {reason.value}", utcnow()
+        self._close_wake(ws, rec, v)
         await self._write(ws, rec, verified=(False, reason, message))
         await self._say(pod, "Warning", reason, f"wake not verified: {message}; fallback: {v.fallback}")
         if self.hooks.on_verified:
@@ -366,8 +377,13 @@ class Reconciler:
         rec = ws.status.controller or ControllerRecord()
         now = utcnow()
         if phase in (Phase.CAPTURING, Phase.ASLEEP):
+            changed = False
             if rec.quiesce is not None and rec.quiesce.finished is None:
                 rec.quiesce.finished, rec.quiesce.ok = now, True
+                changed = True
+            if phase == Phase.ASLEEP:
+                changed = self._close_capture(ws, rec, now) or changed
+            if changed:
                 await self._write(ws, rec)
             return None
         if phase == Phase.SERVING:
@@ -424,6 +440,64 @@ class Reconciler:
         await self._say(pod, "Normal", Reason.CAPTURE_REQUESTED,
                         f"quiesced in {elapsed:.2f}s; capture ({policy.tier.value}) requested")
         return POLL
+
+    # -- telemetry --------------------------------------------------------------------------------
+
+    def _traced(self, rec: ControllerRecord, op_id: str) -> bool:
+        """Mark ``op_id``'s spans as emitted; False if they already were (each is emitted once: the
+        mark goes out with the status write that follows)."""
+        if op_id in rec.traced:
+            return False
+        rec.traced = [*rec.traced, op_id][-8:]
+        return True
+
+    def _close_capture(self, ws: WorkerSnapshot, rec: ControllerRecord, now: datetime) -> bool:
+        """Once the agent has finished the capture this quiesce led to: the controller's quiesce
+        spans, the trace's root span (quiesce start -> captured) and the capture's metrics."""
+        q, cap = rec.quiesce, ws.status.last_capture
+        if q is None or cap is None or cap.finished is None or cap.started < q.started or not self._traced(rec, q.id):
+            return False
+        tp = q.trace_context
+        attrs = {"dynsnap.pod": ws.spec.pod_name, "dynsnap.namespace": ws.metadata.namespace or "",
+                 "dynsnap.tier": cap.tier.value}
+        try:
+            tracing.emit_operation(tp, "controller.quiesce", q.started, [(s.name, s.seconds) for s in q.steps],
+                                   attributes=attrs)
+            if tp:
+                tracing.emit_root(tp, "dynsnap.capture", started=q.started, finished=cap.finished, attributes=attrs,
+                                  ok=bool(cap.ok), error=cap.error.message if cap.error else None)
+        except Exception:
+            log.exception("capture spans not emitted")
+        if self.metrics is not None:
+            self.metrics.operation_finished("capture", cap.tier.value, ok=bool(cap.ok),
+                                            seconds=(cap.finished - q.started).total_seconds())
+        return True
+
+    def _close_wake(self, ws: WorkerSnapshot, rec: ControllerRecord, v: Verification) -> None:
+        """A verification ended: its spans and the wake's root span (wake request -> verified or
+        failed) in the wake's trace, and the metrics."""
+        finished = v.finished or utcnow()
+        result = "verified" if v.ok else (v.reason.value if v.reason else "failed")
+        if self.metrics is not None:
+            self.metrics.observe_verify(result, (finished - v.started).total_seconds())
+        w = rec.wake
+        if w is None or not self._traced(rec, w.id):
+            return
+        attrs = {"dynsnap.pod": ws.spec.pod_name, "dynsnap.namespace": ws.metadata.namespace or "",
+                 "dynsnap.tier": w.tier.value, "dynsnap.verify.result": result}
+        try:
+            tracing.emit_operation(w.trace_context, "controller.verify", v.started,
+                                   [(s.name, s.seconds) for s in v.steps], attributes=attrs, ok=bool(v.ok),
+                                   error=None if v.ok else v.message)
+            if w.trace_context:
+                tracing.emit_root(w.trace_context, "dynsnap.wake", started=w.started, finished=finished,
+                                  attributes=attrs, ok=bool(v.ok), error=None if v.ok else v.message)
+        except Exception:
+            log.exception("wake spans not emitted")
+        w.finished, w.ok = finished, bool(v.ok)
+        if self.metrics is not None:
+            self.metrics.operation_finished("wake", w.tier.value, ok=bool(v.ok),
+                                            seconds=(finished - w.started).total_seconds())
 
     @staticmethod
     def _step(q: OperationRecord, name: str, start: datetime, now: datetime) -> None:

@@ -161,7 +161,11 @@ class ControllerRecord(_Model):
 
     identity: WorkerIdentity | None = None
     quiesce: OperationRecord | None = None
+    wake: Annotated[OperationRecord | None, Field(description=(
+        "The last wake the controller asked for: when, and the trace it and the agent's wake steps join."))] = None
     verification: Verification | None = None
+    traced: Annotated[list[str], Field(max_length=8, description=(
+        "Operations (quiesce or wake ids) whose controller spans were emitted, newest last: each once."))] = []
     decision: Annotated[str | None, Field(max_length=1024,
                                           description="The planner's last word on this worker.")] = None
     decided: datetime | None = None
