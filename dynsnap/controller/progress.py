@@ -9,14 +9,15 @@ condition changes, failures, the verification as it goes) and, once there is one
 - suspend: ``state`` Suspended with the ``Suspended`` condition True while Suspended is wanted
   (exit 0); a failure newer than the one on record at the start (the ``Degraded`` condition and
   ``status.lastError``), or the worker Lost (exit 1).
-- wake: the wake to prove is the last one, unless it had finished before the request (then the
-  next one). Its verification by the controller (``status.controller.verification`` with that
-  wake's id) decides: ``ok`` true (exit 0), false (exit 1, with the reason and the fallback). A worker
-  awake and settled (Active, Active wanted, nothing under way, no quiesce open) needs no new wake:
-  its last wake's verification decides, and a worker that never slept is done (exit 0). Lost: exit 1.
+- wake: the worker back in Active (Active wanted, nothing under way, no quiesce open) and the
+  controller's verification of that return (``dynsnap.controller.userview``: one that started after
+  the last quiesce, or, with none on record, one naming the last wake): ``ok`` true (exit 0), false
+  (exit 1, with the reason and the fallback). A worker that was awake and proven all along is done at
+  once ("already active"); one that never slept too; one whose capture the override called off ends
+  with the controller's proof of its return (wake id ``recall-<quiesce id>``). Lost: exit 1.
 
-A verification of an earlier wake never counts, nor does a Verified condition without the record
-that names the wake it proves.
+A verification on record before the request decides nothing unless the worker is settled in
+Active; a Verified condition without the record never does.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ class Tracker:
         # A wake already finished when the command started is not the one it asked for; an open one is.
         self.baseline_wake = lw.id if lw is not None and lw.finished is not None else None
         self.baseline_error = _error_mark(first)
+        p0 = self.last_proof = U.row(initial).proof
+        # A final verification on record before the request decides nothing unless the worker is
+        # awake and settled (then it is the answer: nothing to wake).
+        self.baseline_proof = (p0.wake_id, p0.when) if p0 is not None and p0.ok is not None else None
+        self._woken_noted: str | None = None
         self._printed: dict[str, int] = {}  # operation id -> steps already printed
         self._conditions: dict[str, tuple[str, str]] = {c.type: (c.status, c.reason) for c in first.status.conditions}
         self._state = U.state_cell(U.row(initial))
@@ -156,31 +162,30 @@ class Tracker:
         if ws.status.state == ObservedState.LOST:
             return Outcome(FAILED, f"the worker is Lost: it cannot be woken in place ({U.summary(r, utcnow())})")
         wake = r.last_wake
+        followed = wake is not None and wake.id != self.baseline_wake
+        if followed and wake is not None and not wake.open and self._woken_noted != wake.id:
+            self._woken_noted = wake.id
+            out.lines.append(f"woken in {wake.seconds:.2f}s ({_steps_note(wake)})")
         settled = (ws.status.state == ObservedState.ACTIVE and ws.spec.desired_state == DesiredState.ACTIVE
                    and not r.quiescing and (r.last_capture is None or not r.last_capture.open)
                    and (wake is None or not wake.open))
-        followed = wake is not None and wake.id != self.baseline_wake
-        if not followed and not settled:
-            return None
-        if wake is None:
-            return Outcome(OK, "active: the worker never slept, nothing to wake")
-        p = r.proof if not r.pending else None
-        if p is not None and p.wake_id is None:
-            p = None  # a condition without a record does not name the wake it proves
-        sig = (wake.id, wake.open, p.ok if p else None, p.answered if p else None, p.requests if p else None)
+        p = r.proof if r.proof_current else None
+        sig = (r.pending, p.wake_id if p else None, p.ok if p else None, p.answered if p else None)
         if sig != self._verify:
             self._verify = sig
-            if not wake.open and p is None:
-                out.lines.append(f"woken in {wake.seconds:.2f}s ({_steps_note(wake)}); "
-                                 "waiting for the controller's verification")
+            if r.pending and settled:
+                out.lines.append("waiting for the controller's verification")
             elif p is not None and p.ok is None:
                 out.lines.append(f"verifying: {p.answered}/{p.requests} pinned requests answered")
-        if p is None or p.ok is None:
-            return None
-        prefix = "" if followed else "already active; "
-        if p.ok:
-            by = f" by worker {p.worker_id}" if p.worker_id is not None else ""
-            return Outcome(OK, f"{prefix}verified: {p.answered}/{p.requests} pinned requests answered{by} "
-                               f"(wake {p.wake_id}, woken in {wake.seconds:.2f}s)")
-        return Outcome(FAILED, f"{prefix}verification FAILED: {p.reason}: {p.message or '(no message)'}; "
-                               f"fallback: {p.fallback or 'none'} (wake {p.wake_id})")
+        if p is not None and p.ok is not None and (settled or (p.wake_id, p.when) != self.baseline_proof):
+            prefix = "" if followed else "already active; "
+            took = f", woken in {wake.seconds:.2f}s" if followed and wake is not None else ""
+            if p.ok:
+                by = f" by worker {p.worker_id}" if p.worker_id is not None else ""
+                return Outcome(OK, f"{prefix}verified: {p.answered}/{p.requests} pinned requests answered{by} "
+                                   f"(wake {p.wake_id}{took})")
+            return Outcome(FAILED, f"{prefix}verification FAILED: {p.reason}: {p.message or '(no message)'}; "
+                                   f"fallback: {p.fallback or 'none'} (wake {p.wake_id})")
+        if settled and not r.pending and p is None and wake is None and r.proof is None:
+            return Outcome(OK, "active: the worker never slept, nothing to wake")
+        return None

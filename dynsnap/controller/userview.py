@@ -19,9 +19,14 @@ The columns:
 - IDLE FOR: since ``status.idle.idleSince``, the agent's last seen request ("-" while busy).
 - LAST CAPTURE, LAST WAKE: the total of the per-step seconds and how long ago it finished;
   ``running <step>`` while under way, ``FAILED <Reason>`` when it failed.
-- VERIFIED BY: the controller's proof of the last wake (``status.controller.verification``):
-  ``3/3 pinned 12s ago``, ``verifying 1/3``, ``FAILED <Reason> (fallback ColdRestart)``;
-  ``pending`` for a wake not verified yet; the ``Verified`` condition when there is no record.
+- VERIFIED BY: the controller's proof (``status.controller.verification``) that the worker serves
+  again after it was last taken out of serving: ``3/3 pinned 12s ago``, ``verifying 1/3``,
+  ``FAILED <Reason> (fallback ColdRestart)``; ``pending`` while a worker back in Active still owes
+  one; the ``Verified`` condition when there is no record. The controller proves every return from
+  a quiesce, a wake or a capture called off before it began (then the record's ``wakeId`` is
+  ``recall-<quiesce id>``), so a verification counts only if it started after the last quiesce;
+  with no quiesce on record (a worker woken by hand), only if it names the last wake. A sleeping
+  worker shows the proof of its last return (history).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from dynsnap.models import protocol as P
-from dynsnap.models.protocol import ConditionType
+from dynsnap.models.protocol import ConditionType, ObservedState
 from dynsnap.models.workersnapshot import Condition, OperationRecord, Verification, WorkerSnapshot
 
 Obj = dict[str, Any]
@@ -111,7 +116,8 @@ class Row:
     last_capture: Op | None
     last_wake: Op | None
     proof: Proof | None
-    pending: bool  # the last wake finished and has no verification yet
+    pending: bool  # back in Active, and no verification of that return yet
+    proof_current: bool  # ``proof`` is of the worker's latest return to serving (not history)
     invalid: str | None = None  # the object did not parse: why
 
     @property
@@ -133,6 +139,7 @@ def row(ws: Obj, pod: Obj | None = None) -> Row:
         return Row(namespace=str(meta.get("namespace", "")), pod=str(meta.get("name", "")), dgd=None, component=None,
                    state=None, desired=NONE, tier=NONE, quiescing=False, degraded=None, pod_replaced=False,
                    idle_since=None, inflight=None, last_capture=None, last_wake=None, proof=None, pending=False,
+                   proof_current=False,
                    invalid=f"{e.error_count()} invalid field(s): {e.errors()[0]['loc']}")
     labels = dict((pod or {}).get("metadata", {}).get("labels") or {})
     labels.update(snap.metadata.labels)  # the WorkerSnapshot's own copy wins: it needs no pod read
@@ -140,7 +147,7 @@ def row(ws: Obj, pod: Obj | None = None) -> Row:
     ctl = st.controller
     degraded = snap.condition(ConditionType.DEGRADED)
     wake = Op.of(st.last_wake)
-    proof, pending = _proof(snap, wake)
+    proof, pending, current = _proof(snap, wake)
     pod_uid = (pod or {}).get("metadata", {}).get("uid")
     return Row(
         namespace=snap.metadata.namespace or "", pod=snap.spec.pod_name,
@@ -153,19 +160,27 @@ def row(ws: Obj, pod: Obj | None = None) -> Row:
         idle_since=st.idle.idle_since if st.idle is not None else None,
         inflight=st.idle.inflight if st.idle is not None else None,
         last_capture=Op.of(st.last_capture), last_wake=wake, proof=proof, pending=pending,
+        proof_current=current,
     )
 
 
-def _proof(snap: WorkerSnapshot, wake: Op | None) -> tuple[Proof | None, bool]:
-    """The proof that belongs to the last wake, and whether that wake still waits for one."""
-    v = snap.status.controller.verification if snap.status.controller is not None else None
-    if v is not None and (wake is None or v.wake_id == wake.id):
-        return Proof.of(v), False
-    if wake is not None and (v is not None or not wake.open):
-        # A verification of an earlier wake proves nothing about this one.
-        return None, True
+def _proof(snap: WorkerSnapshot, wake: Op | None) -> tuple[Proof | None, bool, bool]:
+    """(the proof to show, whether one is owed, whether the one shown is current); see the module doc."""
+    st = snap.status
+    ctl = st.controller
+    v = ctl.verification if ctl is not None else None
+    q = ctl.quiesce if ctl is not None else None
+    if v is not None and (v.started >= q.started if q is not None else wake is None or v.wake_id == wake.id):
+        return Proof.of(v), False, True
+    back = (st.state == ObservedState.ACTIVE and (wake is None or not wake.open)
+            and (q is None or q.finished is not None) and (st.last_capture is None or st.last_capture.finished
+                                                           is not None))
+    if back and (q is not None or wake is not None):
+        return None, True, False
+    if v is not None:
+        return Proof.of(v), False, False
     cond = snap.condition(ConditionType.VERIFIED)
-    return (Proof.of_condition(cond) if cond is not None else None), False
+    return (Proof.of_condition(cond) if cond is not None else None), False, False
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -277,7 +292,7 @@ def as_json(r: Row, now: datetime) -> Obj:
         "idleSince": _iso(r.idle_since), "inflight": r.inflight,
         "idleSeconds": round((now - r.idle_since).total_seconds(), 3) if r.idle_since and not r.inflight else None,
         "lastCapture": _op_json(r.last_capture), "lastWake": _op_json(r.last_wake),
-        "verificationPending": r.pending,
+        "verificationPending": r.pending, "verificationCurrent": r.proof_current,
         "verification": None if p is None else {
             "wakeId": p.wake_id, "ok": p.ok, "reason": p.reason, "message": p.message, "requests": p.requests,
             "answered": p.answered, "workerId": p.worker_id, "fallback": p.fallback, "at": _iso(p.when)},

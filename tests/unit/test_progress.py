@@ -40,7 +40,7 @@ def test_wake_ends_only_with_the_verification_of_the_new_wake() -> None:
     assert upd.outcome is None
     assert upd.lines == ["state Waking -> Active", "wake: restore 1.50s", "wake: resume 0.50s",
                          "wake: settle-active 0.10s", "Suspended=False Active",
-                         "woken in 2.20s (wake 0.10s, restore 1.50s, resume 0.50s, settle-active 0.10s); "
+                         "woken in 2.20s (wake 0.10s, restore 1.50s, resume 0.50s, settle-active 0.10s)",
                          "waiting for the controller's verification"]
     verifying = evolve(woken, controller={"verification": verification("w2", ok=None, answered=1, finished=None,
                                                                         reason="Verifying")})
@@ -81,18 +81,40 @@ def test_wake_of_an_awake_worker_reports_its_last_verification() -> None:
     assert upd.outcome.line.startswith("already active; verified: 3/3")
 
 
-def test_wake_of_a_worker_being_quiesced_waits_until_the_quiesce_is_called_off() -> None:
+def test_wake_of_a_worker_being_quiesced_ends_with_the_proof_of_its_return() -> None:
+    # The controller proves every return from a quiesce, a capture called off too (wake id
+    # recall-<quiesce id>): the proof of the wake before the quiesce no longer counts.
     quiescing = ws(status={"state": "Active", "lastWake": WOKEN,
-                           "controller": {"verification": verification("w1", ok=True),
+                           "controller": {"verification": verification("w1", ok=True, started=40, finished=30),
                                           "quiesce": op("q1", [("serving-gate", 0.01)], started=5)}})
     tr = Tracker(WAKE, quiescing)
     assert tr.observe(quiescing).outcome is None
-    called_off = evolve(quiescing, controller={"verification": verification("w1", ok=True),
-                                               "quiesce": op("q1", [("serving-gate", 0.01)], started=5, finished=1,
-                                                             ok=False)})
+    called_off = evolve(quiescing, controller={
+        "verification": verification("w1", ok=True, started=40, finished=30),
+        "quiesce": op("q1", [("serving-gate", 0.01)], started=5, finished=3, ok=False),
+        "decision": "capture called off: manual override"})
     upd = tr.observe(called_off)
-    assert upd.lines == ["state Active (quiescing) -> Active"]
+    assert upd.lines == ["state Active (quiescing) -> Active", "controller: capture called off: manual override",
+                         "waiting for the controller's verification"]
+    assert upd.outcome is None
+    recalled = evolve(called_off, controller={
+        "verification": verification("recall-q1", ok=True, started=2, finished=1),
+        "quiesce": op("q1", [("serving-gate", 0.01)], started=5, finished=3, ok=False),
+        "decision": "verified"})
+    upd = tr.observe(recalled)
     assert upd.outcome is not None and upd.outcome.code == OK
+    assert upd.outcome.line == ("already active; verified: 3/3 pinned requests answered by worker 7 "
+                                "(wake recall-q1)")
+
+
+def test_a_failed_verification_on_record_decides_only_for_a_settled_worker() -> None:
+    failed_before = evolve(ASLEEP, controller={"verification": verification(
+        "w1", ok=False, answered=0, reason="PinnedRequestFailed", fallback="ColdRestart")})
+    tr = Tracker(WAKE, failed_before)
+    assert tr.observe(failed_before).outcome is None  # asleep: that failure is history, a wake is coming
+    upd = tr.observe(evolve(failed_before, desired="Active", state="Active",
+                            lastWake=op("w2", [("wake", 0.1)], started=3, finished=2, ok=True)))
+    assert upd.outcome is None and upd.lines[-1] == "waiting for the controller's verification"
 
 
 def test_wake_of_a_lost_worker_fails() -> None:

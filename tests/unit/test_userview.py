@@ -38,8 +38,9 @@ def op(op_id: str, steps: list[tuple[str, float]], *, started: float, finished: 
 
 
 def verification(wake_id: str, *, ok: bool | None, requests: int = 3, answered: int = 3, finished: float | None = 12,
-                 reason: str = "Verified", fallback: str | None = None, message: str = "") -> dict[str, Any]:
-    v: dict[str, Any] = {"wakeId": wake_id, "ok": ok, "reason": reason, "message": message, "started": t(20),
+                 reason: str = "Verified", fallback: str | None = None, message: str = "",
+                 started: float = 20) -> dict[str, Any]:
+    v: dict[str, Any] = {"wakeId": wake_id, "ok": ok, "reason": reason, "message": message, "started": t(started),
                          "requests": requests, "answered": answered, "workerId": 7}
     if ok is None:
         v["ok"] = None
@@ -107,6 +108,23 @@ CASES = [
          "controller": {"verification": verification("w1", ok=True, finished=600)},
          "conditions": [cond("Verified", "True", "Verified")]},
         "Active", ("Active", "suspend", "-", "-", "0.20s, 8s ago", "pending"), id="newer-wake-pending"),
+    pytest.param(  # a capture called off: back in Active, its return not proven yet (the earlier proof is stale)
+        {"state": "Active", "lastWake": WOKEN,
+         "controller": {"verification": verification("w1", ok=True, started=20),
+                        "quiesce": op("q1", [("serving-gate", 0.01)], started=10, finished=8, ok=False)}},
+        "Active", ("Active", "suspend", "-", "-", "0.75s, 30s ago", "pending"), id="called-off-pending"),
+    pytest.param(  # ... and proven: the controller's recall verification, started after the quiesce
+        {"state": "Active", "lastWake": WOKEN,
+         "controller": {"verification": verification("recall-q1", ok=True, started=5, finished=4),
+                        "quiesce": op("q1", [("serving-gate", 0.01)], started=10, finished=8, ok=False)}},
+        "Active", ("Active", "suspend", "-", "-", "0.75s, 30s ago", "3/3 pinned 4s ago"), id="called-off-recalled"),
+    pytest.param(  # asleep: the proof of its last return is history, and shown
+        {"state": "Suspended", "lastCapture": CAPTURED, "lastWake": WOKEN,
+         "controller": {"verification": verification("w1", ok=True, started=900, finished=890),
+                        "quiesce": op("q2", [("serving-gate", 0.01)], started=400, finished=300, ok=True)},
+         "conditions": [cond("Suspended", "True", "Suspended")]},
+        "Suspended", ("Suspended", "suspend", "-", "2.00s, 5m ago", "0.75s, 30s ago", "3/3 pinned 14m50s ago"),
+        id="asleep-history"),
     pytest.param(  # a wake under way
         {"state": "Waking", "lastCapture": CAPTURED, "lastWake": op("w3", [("wake", 0.1), ("restore", 2.0)],
                                                                     started=3)},
