@@ -129,6 +129,10 @@ class Reconciler:
             decision = Decision(Want.AWAKE, f"{P.ANN_ENABLED} is not true: every worker stays awake")
         if decision.refused:
             await self._say(pod, "Warning", Reason.MIN_ACTIVE, decision.why)
+            rec = ws.status.controller or ControllerRecord()
+            if rec.decision != decision.why:  # on the object too: `dynsnap suspend` shows it to its user
+                rec.decision, rec.decided = decision.why, utcnow()
+                await self._write(ws, rec)
         if self.hooks.on_decision:
             self.hooks.on_decision(key, decision)
         phase = F.phase_of(pod, ws, F.endpoint_ready(self.stores.slices, pod))
@@ -533,7 +537,11 @@ class Reconciler:
             return None  # not scheduled: the pod's next change brings it back
         meta = pod["metadata"]
         body = {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND,
-                "metadata": {"name": meta["name"], "namespace": meta["namespace"], "labels": {P.LABEL_NODE: node},
+                # The graph and component labels let `dynsnap status` and selectors find a worker's
+                # snapshots without reading its pod.
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                             "labels": {P.LABEL_NODE: node, P.LABEL_DGD_NAME: F.labels(pod)[P.LABEL_DGD_NAME],
+                                        P.LABEL_COMPONENT: F.component_of(pod) or ""},
                              "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
                                                   "uid": meta["uid"], "blockOwnerDeletion": False}]},
                 "spec": {"podName": meta["name"], "podUID": meta["uid"], "container": P.DEFAULT_CONTAINER,
