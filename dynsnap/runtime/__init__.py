@@ -1,1 +1,1 @@
-"""Generic controller machinery (work queue, workers, manager, health). Above ``k8s``."""
+"""Generic controller machinery (work queue, workers, manager, leader election, health). Above ``k8s``."""
