@@ -1,7 +1,10 @@
-"""``dynsnap agent``: the node agent process. Starts two informers (this node's WorkerSnapshots by
-their ``dynsnap.io/node`` label; the pods bound to this node), waits for their first list, then
-reconciles with a few workers; deletes images of pods gone from the node every ``gc_interval``; serves
-``/healthz`` and ``/readyz``; stops cleanly on SIGTERM.
+"""``dynsnap agent``: the node agent process. On ``dynsnap.runtime.manager.Manager`` (no leader
+election: one agent per node): two informers (this node's WorkerSnapshots by their
+``dynsnap.io/node`` label; the pods bound to this node), their first list awaited, then two
+runnables: the reconcile workers, and the deletion of images of pods gone from the node every
+``gc_interval``. Serves ``/healthz``, ``/readyz`` and ``/metrics`` (the agent's metrics); stops
+cleanly on SIGTERM. An informer that gives up or a worker loop that fails ends the process with
+that error.
 
 Layer: ``dynsnap.agent``.
 """
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 from dynsnap.agent.executor import Executor
 from dynsnap.agent.node import NodeAgent
@@ -22,7 +26,7 @@ from dynsnap.k8s.informer import Informer
 from dynsnap.k8s.store import label, owner_uids, pod_node
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
-from dynsnap.runtime.health import HealthServer
+from dynsnap.runtime.manager import Manager, run_until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +34,9 @@ SYNC_TIMEOUT = 120.0
 
 
 async def run_agent(kube: Kube, settings: AgentSettings, *, stop: asyncio.Event | None = None,
-                    instance: str = "") -> None:
+                    instance: str = "", metrics: Callable[[], str] | None = None) -> None:
+    """Run the agent until ``stop``; raises what ended it otherwise (an informer that gave up, a
+    worker loop that failed). ``metrics`` renders ``/metrics`` (Prometheus text) instead of the agent's own."""
     if not settings.node_name:
         raise ValueError("the agent needs its node name (--node-name, or DYNSNAP_AGENT_NODE_NAME from spec.nodeName)")
     stop = stop or asyncio.Event()
@@ -44,45 +50,36 @@ async def run_agent(kube: Kube, settings: AgentSettings, *, stop: asyncio.Event 
     agent.ws_informer, agent.pod_informer = ws_inf, pod_inf
     ws_inf.add_handler(agent.on_ws)
     pod_inf.add_handler(agent.on_pod)
-    ready = False
-    health = HealthServer(host="0.0.0.0", port=settings.health_port, ready=lambda: ready,
-                          metrics=agent.metrics.render) if settings.health_port else None
-    tasks: list[asyncio.Task[object]] = []
-    try:
-        if health is not None:
-            await health.start()
-        tasks += [ws_inf.start(), pod_inf.start()]
-        await ws_inf.wait_synced(SYNC_TIMEOUT)
-        await pod_inf.wait_synced(SYNC_TIMEOUT)
-        ready = True
+
+    async def reconcile(stop: asyncio.Event) -> None:
         log.info("agent on %s: %d WorkerSnapshots, %d pods; reconciling", settings.node_name, len(ws_inf.store),
                  len(pod_inf.store))
         for obj in ws_inf.store.list():  # everything, once: finish or roll back what an earlier agent left
             agent.on_ws("SYNC", obj)
-        tasks.append(asyncio.create_task(agent.run(), name="agent workers"))
-        tasks.append(asyncio.create_task(_gc_loop(agent, stop), name="agent image gc"))
-        stopper = asyncio.create_task(stop.wait())
-        failed = [ws_inf.start(), pod_inf.start()]
-        done, _ = await asyncio.wait([stopper, *failed, tasks[-2]], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t is not stopper and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
-    finally:
-        agent.queue.shutdown()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        await ws_inf.stop()
-        await pod_inf.stop()
-        if health is not None:
-            await health.stop()
+        # On stop the reconciles in flight are cancelled, not waited for: a capture can take minutes,
+        # and every step is safe to cut (its helpers die with it; the next agent finishes or rolls back).
+        try:
+            await run_until_stopped(agent.run(), stop)
+        finally:
+            agent.queue.shutdown()
+
+    # One agent per node: no leader election. The health port 0 means no health server.
+    manager = Manager(f"agent {settings.node_name}", informers=[ws_inf, pod_inf],
+                      health_port=settings.health_port or None, metrics=metrics or agent.metrics.render,
+                      sync_timeout=SYNC_TIMEOUT)
+    manager.add("workers", reconcile)
+    manager.add("image gc", lambda stop: _gc_loop(agent, stop))
+    await manager.run(stop)
 
 
 async def _gc_loop(agent: NodeAgent, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        removed = agent.gc_images()
+        try:
+            removed = agent.gc_images()
+        except OSError:  # a disk error is the next pass's to retry; it must not end the agent
+            log.exception("deleting images of pods gone from this node failed; again in %.0f s",
+                          agent.settings.gc_interval)
+            removed = []
         if removed:
             log.info("deleted images of pods gone from this node: %s", removed)
         with contextlib.suppress(TimeoutError):
