@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -158,11 +159,22 @@ async def _controller(args: argparse.Namespace, settings: Any) -> int:
 
     kube = (await Kube.from_kubeconfig(args.kubeconfig, field_manager=P.FIELD_MANAGER) if args.kubeconfig
             else Kube.in_cluster(field_manager=P.FIELD_MANAGER))
+    from dynsnap.runtime.leader import LeadershipLost
+    from dynsnap.telemetry.tracing import setup_tracing, shutdown_tracing
+
+    setup_tracing("dynsnap-controller", otlp_endpoint=settings.otlp_endpoint or None,
+                  trace_file=Path(settings.trace_file) if settings.trace_file else None)
     stop = asyncio.Event()
     install_signal_handlers(stop)
     try:
         await run_controller(kube, settings, stop=stop)
+    except LeadershipLost as e:
+        # Exit non-zero: the Deployment restarts this replica as a fresh candidate (nothing it
+        # held in memory is trusted after another replica may have acted).
+        logging.getLogger("dynsnap.controller").error("%s; exiting", e)
+        return 1
     finally:
+        shutdown_tracing()
         await kube.close()
     return 0
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +28,13 @@ from dynsnap.controller.settings import ControllerSettings
 from dynsnap.k8s.client import Kube
 from dynsnap.k8s.events import EventRecorder
 from dynsnap.k8s.informer import Informer
+from dynsnap.k8s.leases import Leases
 from dynsnap.k8s.store import label
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.policy import parse_policy
+from dynsnap.runtime.leader import LeaderElector
+from dynsnap.runtime.manager import Manager, run_until_stopped
 from dynsnap.runtime.workqueue import WorkQueue, run_workers
 from dynsnap.telemetry.metrics import Metrics
 
@@ -217,7 +222,11 @@ class Controller:
         for pod in self.pods.store.list():  # everything once: finish what an earlier leader left
             if F.is_worker_pod(pod):
                 self.queue.add(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
-        await run_workers(self.queue, self.reconcile, workers=self.settings.workers, name="controller")
+        try:
+            await run_until_stopped(run_workers(self.queue, self.reconcile, workers=self.settings.workers,
+                                                name="controller"), stop)
+        finally:
+            self.queue.shutdown()
 
     def runnables(self) -> list[tuple[str, Callable[[asyncio.Event], Any]]]:
         return [("frontend demand", self.scrape_loop), ("reconcile", self.reconcile_loop)]
@@ -229,28 +238,28 @@ class Controller:
 
 async def run_controller(kube: Kube, settings: ControllerSettings, *, stop: asyncio.Event,
                          identity: str = "") -> None:
-    """Run until ``stop``; informers first (and their first list), then the runnables."""
+    """Run until ``stop`` on the runtime manager: informers and their first list, then (when this
+    replica leads) the reconcile workers and the demand loop. Raises ``LeadershipLost`` when the
+    Lease is lost: every runnable is cancelled at once and the process should exit non-zero so its
+    Deployment restarts it as a fresh candidate."""
+    identity = identity or settings.identity or f"{socket.gethostname()}-{os.getpid()}"
     ctl = Controller(kube, settings, identity=identity)
-    tasks: list[asyncio.Task[Any]] = []
+    elector = None
+    if settings.leader_elect:
+        elector = LeaderElector(Leases(kube, namespace=settings.lease_namespace, identity=identity),
+                                settings.lease_name, lease_duration=settings.lease_duration,
+                                renew_deadline=settings.renew_deadline, retry_period=settings.retry_period)
+    manager = Manager("controller", informers=ctl.informers, health_host=settings.health_host,
+                      health_port=settings.health_port, metrics=ctl.metrics.render, elector=elector)
+
+    async def announce(stop: asyncio.Event) -> None:
+        log.info("controller %s leading: %d graphs, %d pods, %d WorkerSnapshots; /healthz, /readyz, /metrics on "
+                 "port %s", identity, len(ctl.dgds.store), len(ctl.pods.store), len(ctl.wss.store), manager.port)
+
+    manager.add("announce", announce)
+    for name, fn in ctl.runnables():
+        manager.add(name, fn)
     try:
-        tasks += [inf.start() for inf in ctl.informers]
-        for inf in ctl.informers:
-            await inf.wait_synced(120.0)
-        log.info("controller synced: %d graphs, %d pods, %d WorkerSnapshots", len(ctl.dgds.store),
-                 len(ctl.pods.store), len(ctl.wss.store))
-        run = [asyncio.create_task(fn(stop), name=n) for n, fn in ctl.runnables()]
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([stopper, *run, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        tasks += [*run, stopper]
-        for t in done:
-            if t is not stopper and not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+        await manager.run(stop)
     finally:
         await ctl.close()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        for inf in ctl.informers:
-            await inf.stop()

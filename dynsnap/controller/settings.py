@@ -28,6 +28,13 @@ class ControllerSettings(BaseModel):
         "This replica's holder identity in the Lease (empty: hostname + pid; POD_NAME in the Deployment)."))] = ""
     leader_elect: Annotated[bool, Field(description=(
         "Elect one active replica through the Lease. Off only for a single replica you run by hand."))] = True
+    lease_duration: Annotated[int, Field(ge=2, description=(
+        "Seconds a leader's Lease lasts without renewal before another replica may take it (client-go's 15)."))] = 15
+    renew_deadline: Annotated[float, Field(gt=0, description=(
+        "Seconds the leader keeps trying to renew before it stops acting, well before the Lease can expire for the "
+        "others (client-go's 10)."))] = 10.0
+    retry_period: Annotated[float, Field(gt=0, description=(
+        "Seconds between acquire attempts and between renewals (client-go's 2)."))] = 2.0
     workers: Annotated[int, Field(ge=1, le=64, description=(
         "Concurrent reconciles (one per worker pod at a time). Verification waits on HTTP, so a few keep "
         "one slow wake from holding up the rest."))] = 8
