@@ -95,13 +95,15 @@ class CtlEnv:
 
 
 async def start_env(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj], *,
-                    controller_args: list[str] | None = None, prefix: str = "dynsnap-ctl-") -> CtlEnv:
+                    controller_args: list[str] | None = None, agent_args: list[str] | None = None,
+                    prefix: str = "dynsnap-ctl-") -> CtlEnv:
     work = Path(tempfile.mkdtemp(prefix=prefix))
     driver = build_stub_driver(work / "stubcuda")
     await install_dynsnap(cluster)
     agent_cfg = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
     ctl_cfg = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=CONTROLLER_SA, path=work / "ctl.kubeconfig")
-    agents = [AgentProc(node, agent_cfg, work / node, driver) for node in NODES]
+    agents = [AgentProc(node, agent_cfg, work / node, driver,
+                        extra=[a.replace("{node}", node) for a in agent_args or []]) for node in NODES]
     for a in agents:
         await a.start()
     controller = ControllerProc(ctl_cfg, work / "controller",
