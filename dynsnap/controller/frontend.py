@@ -75,6 +75,14 @@ class PinnedAnswer:
     def ok(self) -> bool:
         return self.status == 200
 
+    def answered_by(self, *, worker_id: int | None, prefill_id: int | None) -> bool:
+        """Answered (200) and naming every worker it was pinned to: the worker id for an aggregated
+        worker, the prefill id for a prefill worker, both for a decode worker of a disaggregated
+        graph (the prefill half of the answer is proof too: a decode worker that served it with
+        another prefill worker was not asked what the verification asked)."""
+        return (self.ok and (worker_id is None or self.worker_id == worker_id)
+                and (prefill_id is None or self.prefill_id == prefill_id))
+
 
 def pin_headers(*, worker_id: int | None, prefill_id: int | None) -> dict[str, str]:
     headers: dict[str, str] = {}

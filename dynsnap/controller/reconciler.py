@@ -253,8 +253,7 @@ class Reconciler:
         for _ in range(policy.verify_requests):
             a = await self.frontend.pinned(url, model, worker_id=wid if role != F.Role.PREFILL else None,
                                            prefill_id=pid)
-            mine = (a.prefill_id == pid) if role == F.Role.PREFILL else (a.worker_id == wid)
-            if a.ok and mine:
+            if a.answered_by(worker_id=wid if role != F.Role.PREFILL else None, prefill_id=pid):
                 answered += 1
             elif a.ok:
                 # Proof against: a pinned request never falls back, so another worker's id means the
