@@ -1,0 +1,112 @@
+"""The controller on a disaggregated graph: a prefill component and a decode component of mocker
+workers, each opted in with its own policy (``min-active: 1``, two replicas), are each captured
+down to one worker when idle and woken by load through the frontend. Every wake is verified with
+the headers its role needs: a prefill worker pinned with ``x-dynamo-prefill-instance-id`` alone,
+a decode worker with both ``x-dynamo-worker-instance-id`` (itself) and
+``x-dynamo-prefill-instance-id`` (a serving prefill worker), and every answer names both. The
+controller and the agents run as their own processes under their shipped RBAC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from controllerenv import CtlEnv, Load, asleep, events_for, get_ws, policy, running, verified_after, wait_ws
+
+from dynsnap.k8s.client import Obj
+from dynsnap.models import protocol as P
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.dynsnap_parts import StubDriver
+
+pytestmark = pytest.mark.cluster
+
+ROLES = ("prefill", "decode")
+
+
+def graph(tier: str) -> Any:
+    def make(driver: StubDriver) -> Obj:
+        env = {"LD_PRELOAD": str(driver.libcuda)}
+        comps = []
+        for role in ROLES:
+            c = D.mocker_component(role, replicas=2, mode=role, sub=role, dynsnap=True, speedup_ratio=1, env=env)
+            c["annotations"] = policy(min_active=1, verify_requests=3)  # each component its own limit
+            comps.append(c)
+        body = D.dgd(f"ctl-disagg-{tier}", [D.frontend_component(router_mode="kv"), *comps])
+        body["metadata"]["annotations"] = policy(enabled=True, idle_after="3s", tier=tier, wake_at_inflight=1)
+        return body
+    return make
+
+
+async def _iid(env: CtlEnv, pod: RunningPod) -> int:
+    return instance_id_from_dwm(await env.api.get(D.R.DWMS, pod.name, namespace=pod.namespace))
+
+
+async def _asleep_in(env: CtlEnv, role: str) -> list[RunningPod]:
+    return [p for p in env.graph.workers(role) if asleep(await get_ws(env.api, p))]
+
+
+@pytest.mark.parametrize("tier", ["suspend", "snapshot"])
+async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_with_their_headers(
+        cluster: LocalCluster, tier: str) -> None:
+    async with running(cluster, graph(tier)) as env:
+        ids = {p.name: await _iid(env, p) for role in ROLES for p in env.graph.workers(role)}
+        prefill_ids = {ids[p.name] for p in env.graph.workers("prefill")}
+
+        # Idle: each component is captured down to its own min-active, never below it.
+        async def one_asleep_in_each() -> bool:
+            return all([len(await _asleep_in(env, role)) == 1 for role in ROLES])
+        await wait_for("one worker of each component asleep", one_asleep_in_each, timeout=180, interval=0.5)
+        sleeping = {role: (await _asleep_in(env, role))[0] for role in ROLES}
+        for role in ROLES:
+            awake = [p for p in env.graph.workers(role) if p is not sleeping[role]]
+            assert len(awake) == 1 and not asleep(await get_ws(env.api, awake[0])), role
+        before = {role: ((await get_ws(env.api, p)) or {})["status"].get("lastWake", {}).get("id")
+                  for role, p in sleeping.items()}
+
+        # Load: demand over one worker's share in each component wakes both sleepers.
+        burst = Load(env.fe, concurrency=6, max_tokens=60)
+        burst.start()
+        try:
+            woken = {role: await wait_ws(env, p, "woken and verified", verified_after(before[role]), timeout=180)
+                     for role, p in sleeping.items()}
+        finally:
+            await burst.stop()
+        assert not burst.failures(), burst.failures()[:5]
+        assert len(burst.results) >= 6  # the load really ran
+
+        # A prefill worker is pinned with the prefill header alone and named as the answer's prefill.
+        pre = sleeping["prefill"]
+        v = woken["prefill"]["status"]["controller"]["verification"]
+        assert v["headers"] == [P.HEADER_PREFILL_INSTANCE_ID], v
+        assert v["prefillId"] == ids[pre.name] and v.get("workerId") is None, v
+        assert v["requests"] == 3 and v["answered"] == 3, v
+
+        # A decode worker is pinned with both: itself, and a prefill worker that serves; both ids checked.
+        dec = sleeping["decode"]
+        v = woken["decode"]["status"]["controller"]["verification"]
+        assert v["headers"] == [P.HEADER_WORKER_INSTANCE_ID, P.HEADER_PREFILL_INSTANCE_ID], v
+        assert v["workerId"] == ids[dec.name], v
+        assert v["prefillId"] in prefill_ids, v
+        assert v["requests"] == 3 and v["answered"] == 3, v
+
+        for role, p in sleeping.items():
+            ws = woken[role]
+            verified = next(c for c in ws["status"]["conditions"] if c["type"] == "Verified")
+            assert verified["status"] == "True" and verified["reason"] == "Verified", (role, verified)
+            assert ws["status"]["lastWake"]["tier"] == tier and ws["status"]["lastWake"]["ok"] is True
+            ident = ws["status"]["controller"]["identity"]
+            dwm = await env.api.get(D.R.DWMS, p.name, namespace=p.namespace)
+            assert ident["podUID"] == p.uid and ident["dwmUID"] == dwm["metadata"]["uid"]
+            assert ident["instanceId"] == ids[p.name] == instance_id_from_dwm(dwm)
+            reasons = {e["reason"] for e in await events_for(env.api, p.namespace, p.name)}
+            assert {"Quiescing", "CaptureRequested", "WakeRequested", "Verified"} <= reasons, (role, reasons)
+
+        # All four serve again: requests pinned with both headers reach every decode/prefill pair.
+        for d in env.graph.workers("decode"):
+            for pf in env.graph.workers("prefill"):
+                await env.fe.wait_routable(ids[d.name], prefill_id=ids[pf.name])
+                r = await env.fe.chat("after", worker_id=ids[d.name], prefill_id=ids[pf.name], max_tokens=2)
+                assert r.status == 200, r.body
+                assert (r.worker_id, r.prefill_worker_id) == (ids[d.name], ids[pf.name])
