@@ -15,8 +15,8 @@ client's next request comes on a new connection where the proxy sees it again; w
 later requests would slip past unseen), and forwards bytes both ways without parsing them:
 chunked watch streams pass untouched. Request bodies are forwarded as they come.
 
-Faults are matched per request (method, path and query substrings, watch or not), each for a
-number of hits, first match wins:
+Faults are matched per request (method, path and query substrings or the exact path, watch or
+not), each for a number of hits, first match wins:
 
     respond       answer ``status`` with ``headers``/``body`` (default: a Status object) without
                   contacting the API server
@@ -62,6 +62,7 @@ class Fault:
     action: Action
     method: str | None = None
     path_contains: str = ""
+    path_equals: str | None = None  # the whole path: a subresource's parent without the subresource
     query_contains: str = ""
     watch: bool | None = None  # True: only watch requests; False: only non-watch requests
     times: int | None = 1  # hits before the fault retires; None: every matching request
@@ -77,6 +78,8 @@ class Fault:
         if self.method is not None and self.method != method:
             return False
         if self.path_contains not in path or self.query_contains not in query:
+            return False
+        if self.path_equals is not None and path != self.path_equals:
             return False
         return self.watch is None or self.watch == _is_watch(query)
 
@@ -208,6 +211,10 @@ class FakeApiProxy:
             await self._serve_one(reader, writer)
         except (ConnectionError, ssl.SSLError, TimeoutError, asyncio.IncompleteReadError, OSError) as e:
             log.debug("fake_apiproxy: connection ended: %s", e)
+        except asyncio.CancelledError:
+            # stop() cancels what still relays (a watch whose client left reads on until the server
+            # ends it). Ended quietly: Python 3.11's start_server logs a cancelled handler as an error.
+            log.debug("fake_apiproxy: connection cancelled by stop()")
         finally:
             self._open.discard(writer)
             self._tasks.discard(task)
@@ -244,6 +251,8 @@ class FakeApiProxy:
                 await asyncio.wait_for(release.wait(), _HOLD_MAX)
             finally:
                 self.stalled -= 1
+            if writer.is_closing():
+                return  # its client was cut while it was held: nobody is left to answer
 
         up_r, up_w = await asyncio.wait_for(asyncio.open_connection(
             self._up_host, self._up_port, ssl=self._client_ctx, server_hostname=self._up_host), _IO_TIMEOUT)
