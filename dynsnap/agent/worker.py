@@ -31,10 +31,17 @@ from dynsnap.runtime.procfs import PROC, ProcStatus
 
 ENTRYPOINT_EXE = "dynsnap-entrypoint"
 _NVIDIA_DEV = ("/dev/nvidia",)
-# NCCL settings under which two ranks were checkpointed *and* restored on the H200 pair
-# (DESIGN.md section 2): with P2P and cuMem IPC on, every restore failed with
-# CUDA_ERROR_NOT_SUPPORTED and left both ranks checkpointed.
-NCCL_SAFE_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0"}
+# The smallest NCCL settings under which two ranks were checkpointed *and* restored on the H200 pair
+# (issue 11; docs/BENCHMARKS.md, "Two GPUs (issue 11)", bisected over NCCL_P2P_DISABLE, NCCL_SHM_DISABLE,
+# NCCL_CUMEM_ENABLE): peer-to-peer off, and then either cuMem off (NCCL moves data through SHM in
+# legacy host memory: 27 GB/s busbw at 256 MiB against 288 over NVLink) or SHM off too (sockets,
+# 3 GB/s). Every other combination was checkpointed and then refused by the restore
+# (CUDA_ERROR_NOT_SUPPORTED with P2P over cuMem or SHM over cuMem host memory, CUDA_ERROR_INVALID_VALUE
+# with P2P over legacy IPC), leaving both ranks checkpointed. NCCL_SAFE_ENV is the set the reason
+# recommends (the faster); a rank matching any set of NCCL_SAFE_ENVS passes.
+NCCL_SAFE_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0"}
+NCCL_SAFE_ENVS = (NCCL_SAFE_ENV, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
+NCCL_SWITCHES = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_CUMEM_ENABLE")
 
 
 class WorkerNotFound(LookupError):
@@ -165,9 +172,9 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
 def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:
     """Why the driver could not undo a checkpoint of these GPU processes, or None.
 
-    Several GPU processes that use NCCL with peer-to-peer or cuMem IPC on were checkpointed and
-    then could not be restored on the H200 pair (CUDA_ERROR_NOT_SUPPORTED), leaving the worker
-    lost. Such a capture is refused before any lock.
+    Several GPU processes that use NCCL under any settings but those of NCCL_SAFE_ENVS were
+    checkpointed and then could not be restored on the H200 pair, leaving the worker lost. Such a
+    capture is refused before any lock. The reason names each rank's switches and the sets.
     """
     if len(w.gpu) < 2:
         return None
@@ -176,14 +183,15 @@ def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:
         if not uses_nccl(pid, proc):
             continue
         env = procfs.environ(pid, proc)
-        wrong = [f"{k}={env.get(k, '(unset)')}" for k, v in NCCL_SAFE_ENV.items() if env.get(k) != v]
-        if wrong:
-            problems.append(f"pid {pid}: {' '.join(wrong)}")
+        if not any(all(env.get(k) == v for k, v in safe.items()) for safe in NCCL_SAFE_ENVS):
+            have = " ".join(f"{k}={env.get(k, '(unset)')}" for k in NCCL_SWITCHES)
+            problems.append(f"pid {pid}: {have}")
     if not problems:
         return None
-    want = " ".join(f"{k}={v}" for k, v in NCCL_SAFE_ENV.items())
+    want, *others = (" ".join(f"{k}={v}" for k, v in safe.items()) for safe in NCCL_SAFE_ENVS)
     return (f"{len(w.gpu)} GPU processes use NCCL with settings the CUDA driver cannot restore after a "
-            f"checkpoint ({'; '.join(problems)}); run the worker with {want}")
+            f"checkpoint ({'; '.join(problems)}); run the worker with {want}"
+            + "".join(f" (or {o}, slower)" for o in others))
 
 
 def io_uring_holders(w: WorkerProcs, proc: Path = PROC) -> list[HostPid]:
