@@ -24,6 +24,7 @@ source "$ROOT/hack/lib-python.sh"
 [[ -f "$ROOT/hack/lib-criu.sh" ]] && source "$ROOT/hack/lib-criu.sh"
 [[ -f "$ROOT/hack/lib-dynamo.sh" ]] && source "$ROOT/hack/lib-dynamo.sh"
 [[ -f "$ROOT/hack/lib-cudahdr.sh" ]] && source "$ROOT/hack/lib-cudahdr.sh"
+[[ -f "$ROOT/hack/lib-helm.sh" ]] && source "$ROOT/hack/lib-helm.sh"
 
 export DYNSNAP_ETCD="$CACHE/bin/etcd-$ETCD_VERSION/etcd"
 export DYNSNAP_KUBE_APISERVER="$CACHE/bin/kube-$KUBE_VERSION/kube-apiserver"
@@ -39,6 +40,7 @@ setup_all() {
   build_etcd
   build_kwok
   build_kube
+  if declare -F build_helm >/dev/null; then build_helm; fi
   if declare -F setup_criu >/dev/null; then setup_criu; fi
   if declare -F setup_dynamo >/dev/null; then setup_dynamo; fi
   if declare -F setup_cuda_headers >/dev/null; then setup_cuda_headers; fi
