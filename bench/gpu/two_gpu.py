@@ -22,7 +22,8 @@ says so.
               finishes right
     pytest    tests/gpu/test_two_gpus_gpu.py: the agent's preflight on real ranks
     criu      CRIU 4.2.1 + its CUDA plugin with dynsnap-cuda as cuda-checkpoint: a tree of both
-              ranks dumped and restored, the collective after
+              ranks dumped and restored (once more 65 s later if the restore fails), the
+              collective and the pattern after
     defaults  the eighth combination, NCCL's defaults, last: bandwidth, save, resume; if the
               restore fails, recovery without killing the ranks (retry, one rank at a time, the
               other order), then a rank killed; the driver's answer and both states after each
@@ -69,11 +70,13 @@ ALL_NCCL = [v for v, _ in SWITCHES.values()] + [HOST[0]]
 # behind on the GPUs cannot touch the other experiments.
 COMBOS = ["PSC", "PSH", "PS", "PC", "SC", "P", "S", "C"]
 BW_SIZES = [(64 << 10, 100), (1 << 20, 50), (16 << 20, 20), (256 << 20, 5)]
-# CRIU runs: (name, NCCL set, extra env, dump?). What the runs found, in order: CRIU 4.2.1 cannot dump
-# the io_uring rank 0 holds (PyTorch's TCPStore server runs on libuv; UV_USE_IO_URING=0 does not remove
-# it, USE_LIBUV=0 does); then the restore could not bind a listening socket of rank 0, and both ranks
-# listen on 127.0.0.1:28028, NCCL's RAS port (NCCL_RAS_ENABLE=0 turns RAS off). CRIU_VARIANTS is what
-# the last run tried; the earlier ones are in the results of their runs.
+# CRIU runs: (name, NCCL set, extra env, dump?). What the runs found, in order (docs/BENCHMARKS.md): CRIU
+# 4.2.1 cannot dump the io_uring rank 0 holds (PyTorch's TCPStore server runs on libuv; UV_USE_IO_URING=0
+# does not remove it, USE_LIBUV=0 does); then the restore could not bind a listening socket of rank 0,
+# also 5 s later: its port was held by a TIME_WAIT connection NCCL closed at start-up, and 65 s later
+# the same images restored. NCCL_RAS_ENABLE=0 (both ranks listened on 127.0.0.1:28028, NCCL's RAS port)
+# was set on the way and kept; whether it is needed was not tested alone. CRIU_VARIANTS is what the
+# last run tried; the earlier ones are in the results of their runs.
 NO_LIBUV_NO_RAS = {"USE_LIBUV": "0", "NCCL_RAS_ENABLE": "0"}
 CRIU_VARIANTS = (("PC-no-libuv-no-ras", "PC", NO_LIBUV_NO_RAS, True),
                  ("PS-no-libuv-no-ras", "PS", NO_LIBUV_NO_RAS, True))
