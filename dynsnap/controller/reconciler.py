@@ -30,6 +30,7 @@ from dynsnap.k8s.errors import Conflict, NotFound
 from dynsnap.k8s.store import Store
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
+from dynsnap.models.dynamo import transport_from_dwm
 from dynsnap.models.policy import ParsedPolicy, Policy, parse_override, parse_policy
 from dynsnap.models.protocol import ConditionType, DesiredState, Reason
 from dynsnap.models.workersnapshot import (
@@ -309,6 +310,11 @@ class Reconciler:
         iid = F.instance_id(dwm)
         if iid != ident.instance_id:
             return Reason.DWM_CHANGED, f"instance id {iid}, was {ident.instance_id}"
+        # The frontend names the instance it routed to, not who served: pinned answers prove this worker
+        # only while its DWM still leads to it.
+        transport = transport_from_dwm(dwm)
+        if ident.transport is not None and transport != ident.transport:
+            return Reason.DWM_CHANGED, f"its generate endpoint leads to {transport}, was {ident.transport}"
         return None
 
     def _pins(self, pod: Obj) -> tuple[int | None, int | None, list[str]]:
@@ -396,7 +402,7 @@ class Reconciler:
             if dwm is None or iid is None or ip is None:
                 return 1.0  # nothing to verify a wake against yet: not captured before it registered
             rec.identity = WorkerIdentity(pod_uid=F.pod_uid(pod), pod_ip=ip, dwm_uid=str(dwm["metadata"]["uid"]),
-                                          instance_id=int(iid), recorded=now)
+                                          instance_id=int(iid), transport=transport_from_dwm(dwm), recorded=now)
             rec.quiesce = OperationRecord(id=f"q{int(now.timestamp() * 1000)}", tier=policy.tier, started=now,
                                           trace_context=new_traceparent())
             rec.decision, rec.decided = d.why, now

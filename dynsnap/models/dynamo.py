@@ -1,9 +1,11 @@
 """Facts about Dynamo (ai-dynamo 1.6.1) objects and answers, as pure functions: the instance
-id a worker publishes in its DynamoWorkerMetadata, the worker ids a frontend answer carries
+id a worker publishes in its DynamoWorkerMetadata and where it leads (the generate endpoint's
+transport), the worker ids a frontend answer carries
 (``nvext.worker_id``), and the hex spelling the worker's metrics use. Bottom layer."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from dynsnap.models.ids import InstanceId
@@ -22,6 +24,19 @@ def instance_id_from_dwm(dwm: dict[str, Any]) -> InstanceId:
         name = dwm.get("metadata", {}).get("name", "?")
         raise ValueError(f"DWM {name}: expected one generate endpoint, found {sorted(found)}")
     return InstanceId(found.pop())
+
+
+def transport_from_dwm(dwm: dict[str, Any]) -> str | None:
+    """Where the frontend sends requests for the worker's ``generate`` endpoint: its ``transport`` in
+    the DWM (1.6.1: ``{"tcp": "<ip>:<port>/<endpoint path>"}``), as one canonical string (JSON, keys
+    sorted; several generate entries joined by a space). None when the DWM names no generate endpoint.
+    The frontend names the instance it routed to in its answer, not the process that served it: an
+    instance id whose transport leads elsewhere is answered in this worker's name by another."""
+    endpoints = (dwm.get("spec", {}).get("data") or {}).get("endpoints") or {}
+    found = sorted({json.dumps(e.get("transport"), sort_keys=True, separators=(",", ":"))
+                    for e in endpoints.values()
+                    if isinstance(e, dict) and e.get("type") == "Endpoint" and e.get("endpoint") == "generate"})
+    return " ".join(found) if found else None
 
 
 def worker_ids_from(data: Any) -> tuple[InstanceId | None, InstanceId | None]:

@@ -129,12 +129,16 @@ class IdleFacts(_Model):
 
 class WorkerIdentity(_Model):
     """Who the worker was when the controller took it out of serving; a wake is verified against it
-    (DESIGN.md section 4: same pod UID, pod IP, DWM UID and instance id)."""
+    (DESIGN.md section 4: same pod UID, pod IP, DWM UID and instance id; and the DWM still leading to
+    it: the same generate transport)."""
 
     pod_uid: Annotated[str, Field(alias="podUID")]
     pod_ip: Annotated[str, Field(alias="podIP")]
     dwm_uid: Annotated[str, Field(alias="dwmUID")]
     instance_id: Annotated[int, Field(ge=0, description="Decimal Dynamo instance id of the generate endpoint.")]
+    transport: Annotated[str | None, Field(max_length=2048, description=(
+        "Where the DWM's generate endpoint leads (its transport): the frontend names the instance it "
+        "routed to, not who served, so a DWM that leads elsewhere is not this worker."))] = None
     recorded: datetime
 
 
