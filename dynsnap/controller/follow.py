@@ -28,6 +28,7 @@ from typing import Any, Final, TextIO
 
 import yaml
 
+from dynsnap.controller import timeline as TL
 from dynsnap.controller import userview as U
 from dynsnap.controller.progress import ANNOTATION_VALUE, FAILED, OK, TIMEOUT, USAGE, Outcome, Tracker
 from dynsnap.k8s.client import Kube, Obj
@@ -240,6 +241,30 @@ async def status(kube: Kube, *, namespace: str | None, watch: bool, output: str,
                 await stopped
         if informer.failure is not None:
             raise informer.failure
+    return OK
+
+
+async def timeline(kube: Kube, *, namespace: str, pod: str, path: Path, out: TextIO) -> int:
+    """``dynsnap status --timeline POD``: the PNG timeline of the worker's last quiesce, capture, wake
+    and verification, as its WorkerSnapshot records them (dynsnap/controller/timeline.py). Exit 0 when
+    written, 1 when nothing is recorded yet (nothing written), 2 for a pod dynsnap does not manage."""
+    check_name("namespace", namespace, DNS1123_LABEL)
+    check_name("pod", pod, DNS1123_SUBDOMAIN)
+    try:
+        ws = await kube.get(R.WORKER_SNAPSHOTS, pod, namespace=namespace)
+    except NotFound as e:
+        raise UsageError(f"pod {namespace}/{pod} has no WorkerSnapshot: dynsnap does not manage it") from e
+    except K8sError as e:
+        raise UsageError(explain(e)) from e
+    ops = TL.operations_of(ws)
+    if not ops:
+        out.write(f"{namespace}/{pod}: no quiesce, capture, wake or verification recorded yet; nothing written\n")
+        out.flush()
+        return FAILED
+    w, h = TL.write_timeline(ops, path, title=f"dynsnap: {namespace}/{pod}, its last capture and wake")
+    out.write(f"wrote {path} ({w}x{h} px): " + "; ".join(
+        f"{op.label} {op.seconds:.2f}s{'' if op.ok is not False else ' FAILED'}" for op in ops) + "\n")
+    out.flush()
     return OK
 
 
