@@ -1,6 +1,8 @@
 """Docs generated from the code, so they cannot fall behind it (layer: beside ``dynsnap.demo``,
 above the controller and the agent, whose settings it reads).
 
+    python -m dynsnap docs operations        docs/operations.md: states, conditions, Events, metrics, traces,
+                                             and what to do about every reason (dynsnap/models/reasons.py)
     python -m dynsnap docs configuration     docs/configuration.md: every setting of the controller and the agent
 
 Each generator returns the whole Markdown file; ``dynsnap docs NAME --write`` writes it into the
@@ -17,6 +19,9 @@ from typing import Final
 
 from dynsnap.agent import settings as agent_settings
 from dynsnap.controller import settings as controller_settings
+from dynsnap.models import protocol as P
+from dynsnap.models.reasons import REASON_DOCS, SECTIONS
+from dynsnap.telemetry.metrics import METRICS
 
 DOCS_DIR: Final = Path(__file__).resolve().parents[1] / "docs"
 
@@ -44,7 +49,106 @@ def configuration() -> str:
     )
 
 
+# What each observed state and condition type means (status.state, status.conditions[].type).
+_STATES: Final[dict[P.ObservedState, str]] = {
+    P.ObservedState.ACTIVE: "running and holding its GPU memory",
+    P.ObservedState.CAPTURING: "a capture is under way (one step per reconcile)",
+    P.ObservedState.SUSPENDED: "asleep: GPU memory freed (tier suspend: processes in host RAM; snapshot: "
+                               "the tree on the node's disk)",
+    P.ObservedState.WAKING: "a wake is under way",
+    P.ObservedState.LOST: "the worker could not come back in place; its container restarts cold",
+    P.ObservedState.UNKNOWN: "not yet seen by the agent of its node, or refused (see `Accepted`)",
+}
+_CONDITIONS: Final[dict[P.ConditionType, tuple[str, str]]] = {
+    P.ConditionType.ACCEPTED: ("agent", "the spec names a pod on this node, with this UID, opted in, under the "
+                                        "entrypoint; False says why the agent will not touch it"),
+    P.ConditionType.PROGRESSING: ("agent", "a capture or wake is under way (or a rollback)"),
+    P.ConditionType.SUSPENDED: ("agent", "True while the worker sleeps"),
+    P.ConditionType.DEGRADED: ("agent", "the last capture or wake failed or was refused; `status.lastError` has "
+                                        "the reason, the step and the message"),
+    P.ConditionType.VERIFIED: ("controller", "the last wake was proven by requests pinned to the worker; False "
+                                             "says what disproved it"),
+    P.ConditionType.POLICY: ("controller", "the component's `dynsnap.io/` annotations parse"),
+}
+
+
+def _reason_entry(name: str) -> str:
+    doc = REASON_DOCS[P.Reason(name)]
+    kind = {"normal": "normal", "refusal": "refusal, nothing changed", "failure": "failure"}[doc.severity]
+    if doc.reserved:
+        kind = "reserved, not reported by this version"
+    return (f"#### `{name}` ({kind})\n\n"
+            f"- **Where:** {doc.where}\n- **What happened:** {doc.meaning}\n- **What to do:** {doc.action}\n\n")
+
+
+def operations() -> str:
+    """docs/operations.md: reading states, conditions and Events; metrics and traces; and every
+    reason the code can report, from dynsnap/models/reasons.py, in the order of the Reason enum."""
+    out = [_GENERATED.format(name="operations", source="dynsnap/models/reasons.py (every Reason of "
+                             "dynsnap/models/protocol.py), the protocol's states and conditions and "
+                             "dynsnap/telemetry/metrics.py"),
+           "# Operating dynsnap\n\n"
+           "Everything dynsnap does to a worker is on that worker's `WorkerSnapshot` (short name `wsnap`, one per "
+           "worker pod, named after it) and in Events: the agent of the pod's node writes what it saw and did, the "
+           "controller what it decided and whether a wake was proven (`docs/CONTROLLER.md`: who owns what). "
+           "The failure reasons at the end of this page are every reason the code can report, with what to do.\n\n"
+           "## Reading a worker\n\n"
+           "```sh\n"
+           "dynsnap status -n NS                 # a row per worker: state, tier, idle for, last capture/wake, proof\n"
+           "dynsnap status --timeline POD -n NS  # a PNG of its last quiesce, capture, wake and verification\n"
+           "kubectl get wsnap -n NS              # pod, tier, desired state, Suspended\n"
+           "kubectl get wsnap POD -n NS -o yaml  # everything below\n"
+           "kubectl get events -n NS --field-selector involvedObject.name=POD\n"
+           "```\n\n"
+           "`spec.desiredState` is what the controller asks for (`Active`, `Suspended`); `status.state` is what the "
+           "agent last saw:\n\n"
+           "| status.state | meaning |\n|---|---|\n"]
+    out += [f"| `{s.value}` | {why} |\n" for s, why in _STATES.items()]
+    out.append("\nConditions (`status.conditions`; each has a `reason` from the list below and a message):\n\n"
+               "| type | written by | True means |\n|---|---|---|\n")
+    out += [f"| `{c.value}` | {who} | {why} |\n" for c, (who, why) in _CONDITIONS.items()]
+    out.append(
+        "\nThe records: `status.lastCapture` and `status.lastWake` (id, tier, start and end, each step with its "
+        "measured seconds, pids, GPU memory free before and after, the image), `status.lastError` (reason, "
+        "step, message, when) and `status.consecutiveFailures` (the agent retries after a backoff that doubles "
+        "per failure), `status.idle` (requests in flight and the last request, scraped from the worker), and the "
+        "controller's `status.controller` (the worker's identity before it slept, the quiesce, the wake it asked "
+        "for, the verification with its pinned requests and fallback, and `decision`: the planner's last word "
+        "on this worker, e.g. why it stays awake).\n\n"
+        f"Events are reported by `{P.DYNSNAP_GROUP}/agent` (on the WorkerSnapshot) and `{P.DYNSNAP_GROUP}/controller` "
+        "(on the pod, or on the DGD for its policy); their reason is one of the reasons below, Warning for a "
+        "refusal or a failure.\n\n"
+        "## Metrics\n\n"
+        "The controller and every agent serve Prometheus metrics on their health port's `/metrics` "
+        "(`--health-port`); `deploy/grafana/dynsnap.json` is a dashboard over them. Both processes export "
+        "the operation metrics, each as it sees them: the agent measures its own steps (capture: quiesce to "
+        "asleep; wake: to active) for its node's workers, the controller a capture from the start of the quiesce "
+        "and a wake from its request to the verified end, for the whole fleet.\n\n"
+        "| metric | type | labels | meaning |\n|---|---|---|---|\n")
+    out += [f"| `{m.name}` | {m.kind} | {', '.join(f'`{lab}`' for lab in m.labels) or '-'} | {m.help} |\n"
+            for m in METRICS]
+    out.append(
+        "\n## Traces\n\n"
+        "Each capture and each wake is one OpenTelemetry trace (`--otlp-endpoint`, OTLP/HTTP; `--trace-file` "
+        "writes the spans as JSON lines too). The controller opens it (root span `dynsnap.capture` from the "
+        "quiesce to the worker asleep, `dynsnap.wake` from the request to the verified end) and names it on "
+        f"the WorkerSnapshot (annotation `{P.ANN_TRACEPARENT}`); its steps are the spans "
+        "`controller.quiesce.<step>` and `controller.verify.<step>`, the agent's `capture.<step>` and "
+        "`wake.<step>`, children of the same trace. A failed step's span has status ERROR with the reason. "
+        "Spans are emitted from the recorded step times when an operation ends, so an operation that "
+        "spans a restart of either process is still one trace.\n\n"
+        "## Every reason, and what to do\n\n"
+        "The reason of a condition, of `status.lastError`, of `status.controller.verification` and of an "
+        "Event. A *refusal* changed nothing (the worker serves as before); a *failure* happened mid-way and "
+        "the worker was rolled back to serving, kept restorable, or restarted cold, as each entry says.\n\n")
+    for section in SECTIONS:
+        out.append(f"### {section}\n\n")
+        out += [_reason_entry(r.value) for r in P.Reason if REASON_DOCS[r].section == section]
+    return "".join(out).rstrip("\n") + "\n"
+
+
 GENERATORS: Final[dict[str, Callable[[], str]]] = {
+    "operations": operations,
     "configuration": configuration,
 }
 

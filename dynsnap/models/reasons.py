@@ -1,0 +1,343 @@
+"""What every :class:`~dynsnap.models.protocol.Reason` means and what to do about it (pure data,
+bottom layer).
+
+``docs/operations.md`` is generated from this table (``python -m dynsnap docs operations``), and the
+unit tests fail when a Reason has no entry here, when the committed page differs from the generated
+one, or when a reason marked ``reserved`` (declared, but not reported by this version) starts being
+reported by the code, or one not so marked stops being. Keep each entry next to the code that
+reports it in mind: ``where`` names the condition, record or Event that carries it and who writes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from dynsnap.models.protocol import Reason
+
+Severity = Literal["normal", "refusal", "failure"]
+
+
+@dataclass(frozen=True)
+class ReasonDoc:
+    section: str  # a heading of docs/operations.md
+    severity: Severity  # normal: progress; refusal: nothing was changed; failure: something went wrong mid-way
+    where: str  # the condition, record or Event that carries it, and who writes it
+    meaning: str
+    action: str
+    reserved: bool = False  # declared, not reported by this version
+
+
+# Sections, in the order the page shows them.
+ACCEPTED: Final = "Admission: the Accepted condition (agent)"
+PROGRESS: Final = "Progress and sleep: Progressing and Suspended (agent)"
+REFUSED: Final = "Refusals: Degraded, nothing was changed (agent)"
+FAILED: Final = "Failures mid-way: Degraded (agent)"
+POLICY: Final = "Policy and decisions (controller)"
+VERIFY: Final = "Proof of a wake: the Verified condition (controller)"
+SECTIONS: Final = (ACCEPTED, PROGRESS, REFUSED, FAILED, POLICY, VERIFY)
+
+_RESERVED_ACTION = "Nothing: this version does not report it."
+
+REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
+    # -- Accepted -------------------------------------------------------------------------------------
+    Reason.ACCEPTED: ReasonDoc(
+        ACCEPTED, "normal", "`Accepted=True`",
+        "The spec names a pod that exists on this node with this UID, carries the `dynsnap.io/serving` "
+        "readiness gate and runs under dynsnap-entrypoint: the agent acts on it.",
+        "Nothing to do."),
+    Reason.POD_NOT_FOUND: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False` (or Unknown while the agent's informer catches up)",
+        "The pod the WorkerSnapshot names does not exist (deleted, or not yet seen by the agent).",
+        "Usually transient: the WorkerSnapshot is owned by the pod and the garbage collector deletes it "
+        "with the pod. If it stays, check that the agent of the pod's node runs and can list pods."),
+    Reason.POD_UID_MISMATCH: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False`",
+        "A pod of that name exists with another UID: it was recreated. A new pod is a new worker, and a "
+        "capture of the old one is never restored into it.",
+        "Nothing: the controller deletes the stale WorkerSnapshot (Event `PodReplaced`) and creates one for "
+        "the new pod."),
+    Reason.WRONG_NODE: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False`",
+        "The WorkerSnapshot's `dynsnap.io/node` label names this agent's node, but the pod runs on another.",
+        "The controller sets the label from the pod's node when it creates the WorkerSnapshot; another value "
+        "was written by hand. Delete the WorkerSnapshot: the controller creates it again with the right node."),
+    Reason.NOT_OPTED_IN: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False`",
+        "The pod has no `dynsnap.io/serving` readiness gate, so nothing could take it out of serving "
+        "before a capture.",
+        "Add `readinessGates: [{conditionType: dynsnap.io/serving}]` to the component's "
+        "`podTemplate.spec` (examples/dgd/)."),
+    Reason.NOT_UNDER_ENTRYPOINT: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False`",
+        "The pod's processes are on this node but not under dynsnap-entrypoint (no control file found "
+        "through `/proc/<pid>/root`).",
+        "Run the worker under the entrypoint: the init container that copies it in and the main "
+        "container's `command: [/dynsnap/bin/dynsnap-entrypoint, ..., --]` (examples/dgd/)."),
+    Reason.ENTRYPOINT_UNREADABLE: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False`",
+        "Reserved for an entrypoint control file that exists but cannot be read or parsed.",
+        _RESERVED_ACTION, reserved=True),
+    # -- Progressing and Suspended ---------------------------------------------------------------------
+    Reason.CAPTURING: ReasonDoc(
+        PROGRESS, "normal", "`Progressing=True`; Event (agent)",
+        "A capture is under way; `status.lastCapture.steps` grows by one step per reconcile.",
+        "Nothing. `dynsnap status` shows the step it is on."),
+    Reason.WAKING: ReasonDoc(
+        PROGRESS, "normal", "`Progressing=True`; Event (agent)",
+        "A wake is under way; `status.lastWake.steps` grows by one step per reconcile.",
+        "Nothing. The controller verifies the wake once the worker is Active."),
+    Reason.ROLLING_BACK: ReasonDoc(
+        PROGRESS, "normal", "`Progressing=True` (agent)",
+        "A capture failed or was called off and the agent is bringing the worker back to serving "
+        "(GPU rollback, CRIU restore of what was dumped, entrypoint back to active).",
+        "Nothing; `status.lastError` says what failed. It ends in `Active` or, if the worker cannot come "
+        "back in place, `WorkerLost`."),
+    Reason.IDLE: ReasonDoc(
+        PROGRESS, "normal", "`Progressing=False` (agent)",
+        "No capture or wake is under way.",
+        "Nothing."),
+    Reason.SUSPENDED: ReasonDoc(
+        PROGRESS, "normal", "`Suspended=True`; Event (agent)",
+        "The worker sleeps at tier suspend: its GPU memory is freed, its processes stay in host RAM.",
+        "Nothing. It wakes on demand, or with `dynsnap wake POD`."),
+    Reason.SNAPSHOTTED: ReasonDoc(
+        PROGRESS, "normal", "`Suspended=True` (agent)",
+        "The worker sleeps at tier snapshot: CRIU dumped its process tree to the node's image directory; "
+        "the pod and its PID 1 stay.",
+        "Nothing. It wakes on demand, or with `dynsnap wake POD`."),
+    Reason.ACTIVE: ReasonDoc(
+        PROGRESS, "normal", "`Suspended=False`; Event (agent); Event (controller: a capture called off)",
+        "The worker runs and holds its GPU memory. From the controller: the capture it had started was "
+        "called off (demand came back during the quiesce) and the worker serves again.",
+        "Nothing."),
+    # -- refusals --------------------------------------------------------------------------------------
+    Reason.WORKER_SERVING: ReasonDoc(
+        REFUSED, "refusal",
+        "`Degraded=True`, `status.lastError` (agent); Warning Event (controller: the quiesce timed out)",
+        "The agent refused a capture while the pod's `dynsnap.io/serving` condition was not False or the "
+        "worker had requests in flight; or the controller's quiesce (gate False, endpoint not ready, "
+        "frontend no longer routing, nothing in flight) did not finish within `--quiesce-timeout`, and the "
+        "capture was called off.",
+        "Check that the controller can write pod status (its RBAC, field manager `dynsnap`), that the "
+        "EndpointSlice controller marks the endpoint not ready, and that the frontend stops routing to the "
+        "worker. Requests that run for minutes keep it busy: raise `--quiesce-timeout`."),
+    Reason.UNSAFE_MULTI_GPU: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent)",
+        "Several GPU processes use NCCL with settings the CUDA driver could not restore after a "
+        "checkpoint; the capture is refused before any lock. The message names each rank's settings.",
+        "Run the worker with `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0` (or the slower "
+        "alternative the message names), or leave the component out of dynsnap."),
+    Reason.PID_RESERVATION_MISSING: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
+        "The entrypoint could not reserve the pid range (`pid_reserved: false` in its control file), or "
+        "worker processes run below pid 10000: a CRIU restore could collide with the pod's own pids.",
+        "Give the worker container `CAP_CHECKPOINT_RESTORE` and a writable `/proc/sys` (container runtimes "
+        "mount it read-only in a container that is not privileged); the entrypoint's log says why the "
+        "write failed. Or use tier suspend, which needs none of this."),
+    Reason.SECCOMP_OFF: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
+        "The entrypoint's io_uring filter is off or failed to install (control file `seccomp`), so the "
+        "worker may hold io_uring, which CRIU cannot dump.",
+        "Do not pass `--no-seccomp` to the entrypoint; if its log says the filter failed, the container's "
+        "seccomp profile forbids installing one: allow `seccomp(2)` for the worker."),
+    Reason.IO_URING_IN_USE: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
+        "A process of the worker holds an io_uring descriptor; CRIU 4.2.1 cannot dump it (\"Can't retrieve "
+        "FDs\").",
+        "The worker must start under the entrypoint with its filter on (then io_uring_setup fails with "
+        "ENOSYS and Dynamo falls back to epoll). A process started another way (`kubectl exec`) can still "
+        "hold one: end it."),
+    Reason.DISK_BUDGET_EXCEEDED: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
+        "The capture's estimate (the worker's resident memory) would pass the node's image budget "
+        "(`--images-budget-bytes`) or the free space of `--images-root`.",
+        "Raise the budget or free the disk; images of pods gone from the node are deleted every "
+        "`--gc-interval`. Or use tier suspend for this component."),
+    Reason.PIDS_IN_USE: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); a snapshot wake",
+        "Processes of the pod's pid namespace hold pids of the capture; CRIU restores pids exactly.",
+        "Something entered the pod while the worker slept (`kubectl exec`, an exec probe) and got those "
+        "pids: end it; the agent retries after its backoff."),
+    Reason.NOT_ENOUGH_GPU_MEMORY: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); a wake",
+        "The GPUs have less free memory than the capture freed: something else took it while the worker "
+        "slept. Nothing was restored.",
+        "Free the GPU (another workload scheduled onto it while this one slept); the agent retries after its "
+        "backoff. `nvidia-smi` on the node shows who holds the memory."),
+    Reason.IMAGE_FORMAT_MISMATCH: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent)",
+        "Reserved for a capture written in an image format this agent does not read (an agent upgraded "
+        "while a worker slept). Such a capture is never restored; today the agent treats it as no capture.",
+        _RESERVED_ACTION, reserved=True),
+    Reason.IMAGE_MISSING: ReasonDoc(
+        REFUSED, "failure", "`Degraded=True`, `status.lastError` (agent); a snapshot wake",
+        "There is no capture of this container to restore from, or it was taken from an earlier container "
+        "of the pod (the container restarted while the worker slept).",
+        "The worker cannot come back in place: the agent gives up and the container restarts cold "
+        "(`WorkerLost`). Check the node's `--images-root` was not cleaned by hand."),
+    # -- failures mid-way ------------------------------------------------------------------------------
+    Reason.ENTRYPOINT_UNRESPONSIVE: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "The entrypoint did not acknowledge a state request within `--entrypoint-timeout`.",
+        "Look at the container's log (`kubectl logs`): the entrypoint writes its own lines there. A "
+        "container that is being restarted answers again once it is up; the agent retries."),
+    Reason.CHECKPOINT_FAILED: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "`dynsnap-cuda save` failed: a lock or a checkpoint of a GPU process returned an error (the message "
+        "has the driver's error per pid). Locks taken are rolled back; the worker serves again.",
+        "A lock that times out means GPU work did not drain within `--lock-timeout-ms` (a rank stuck in a "
+        "collective). Other driver errors: check the driver version (r580 or later) and `dmesg`."),
+    Reason.RESTORE_FAILED: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "Bringing GPU processes back failed: `dynsnap-cuda resume` (restore, unlock) or a rollback left "
+        "processes not running.",
+        "The message has the driver's error per pid. The agent retries after its backoff; if the processes "
+        "are lost the worker restarts cold (`WorkerLost`)."),
+    Reason.HELPER_TIMEOUT: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "CRIU or dynsnap-cuda ran past its bound (`--criu-timeout`, `--helper-timeout`) and was killed.",
+        "A very large worker may need a longer bound (a 16 GiB worker dumped in 24 s on an H200). A helper "
+        "hung in the driver: check `dmesg` and the driver."),
+    Reason.DUMP_FAILED: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "CRIU's dump failed; the worker tree was left running and is put back into serving. The message "
+        "carries the tail of CRIU's log.",
+        "Read the CRIU log tail in the message. `criu check` on the node shows missing kernel support."),
+    Reason.DISK_FULL: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "The image directory filled up during the dump; the partial images are removed and the worker "
+        "serves again.",
+        "Free space under `--images-root` or lower `--images-budget-bytes` so captures are refused "
+        "beforehand (`DiskBudgetExceeded`)."),
+    Reason.INCOMPLETE_CAPTURE: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "The dump finished, but images of some GPU processes are missing (the completeness guard); the "
+        "capture is rejected and the worker restored from what was dumped.",
+        "Report it with the agent's log: it means CRIU skipped a process it should have dumped."),
+    Reason.CRIU_RESTORE_FAILED: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
+        "CRIU's restore in place failed; the message carries the tail of CRIU's log.",
+        "The agent retries after its backoff; if the tree cannot come back, the container restarts cold "
+        "(`WorkerLost`)."),
+    Reason.INTERRUPTED: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError`; Warning Event (agent)",
+        "An agent (or its helper) died mid-step, or a step raised an unexpected error: GPU processes were "
+        "found locked or checkpointed with no helper running for them.",
+        "Nothing: the new agent rolls them back to running. The agent's log has the error when it was "
+        "one."),
+    Reason.WORKER_LOST: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.state: Lost` (agent)",
+        "The worker cannot come back in place (its tree is gone and no capture can restore it): the "
+        "entrypoint exits 75 and kubelet restarts the container cold.",
+        "Nothing: the container starts cold and serves again. `status.lastError` history and the events "
+        "before it say why."),
+    Reason.POD_GONE: ReasonDoc(
+        FAILED, "failure", "`Degraded=True` (agent)",
+        "Reserved for a pod deleted in the middle of a capture or wake.",
+        _RESERVED_ACTION, reserved=True),
+    Reason.RECOVERED: ReasonDoc(
+        FAILED, "normal", "`Degraded=False`; Event (agent)",
+        "After a failure, a capture or wake succeeded: the worker is back to normal.",
+        "Nothing."),
+    # -- policy and decisions --------------------------------------------------------------------------
+    Reason.POLICY_VALID: ReasonDoc(
+        POLICY, "normal", "`PolicyValid=True` (controller)",
+        "The component's `dynsnap.io/` annotations parse.",
+        "Nothing."),
+    Reason.INVALID_POLICY: ReasonDoc(
+        POLICY, "refusal", "`PolicyValid=False`; Warning Event on the DGD (controller)",
+        "A `dynsnap.io/` annotation of the graph has a bad value (the message names it, its value and why, "
+        "e.g. `min-active` 0). Nothing is changed until it is fixed.",
+        "Fix the annotation on the DynamoGraphDeployment (values are strings: quote numbers)."),
+    Reason.INVALID_OVERRIDE: ReasonDoc(
+        POLICY, "refusal", "Warning Event on the pod (controller)",
+        "The pod's `dynsnap.io/desired-state` is neither `suspended` nor `active`; it is ignored.",
+        "Use `dynsnap suspend|wake POD`, or remove the annotation."),
+    Reason.MIN_ACTIVE: ReasonDoc(
+        POLICY, "refusal", "Warning Event on the pod (controller)",
+        "A manual `suspended` was refused: it would leave fewer than `min-active` workers of the component "
+        "serving.",
+        "Wake another worker first, or lower `dynsnap.io/min-active` (at least 1)."),
+    Reason.QUIESCING: ReasonDoc(
+        POLICY, "normal", "Event on the pod (controller)",
+        "The controller takes the worker out of serving before a capture (serving gate False, then waits "
+        "for the endpoint, the frontend and the in-flight requests).",
+        "Nothing."),
+    Reason.QUIESCED: ReasonDoc(
+        POLICY, "normal", "Event (controller)",
+        "Reserved: the quiesce's end is said by `CaptureRequested`.",
+        _RESERVED_ACTION, reserved=True),
+    Reason.CAPTURE_REQUESTED: ReasonDoc(
+        POLICY, "normal", "Event on the pod (controller)",
+        "The worker is quiesced; the controller set `spec.desiredState: Suspended` and the agent captures.",
+        "Nothing."),
+    Reason.WAKE_REQUESTED: ReasonDoc(
+        POLICY, "normal", "Event on the pod (controller)",
+        "Demand (or the manual override) wakes the worker: the controller set `spec.desiredState: Active`.",
+        "Nothing; the wake is verified next."),
+    Reason.GRAPH_DELETED: ReasonDoc(
+        POLICY, "normal", "Event (controller)",
+        "Reserved: a deleted graph's pods and WorkerSnapshots go with the garbage collector.",
+        _RESERVED_ACTION, reserved=True),
+    Reason.POD_REPLACED: ReasonDoc(
+        POLICY, "normal", "Event on the pod (controller)",
+        "The pod was recreated (new UID): the old WorkerSnapshot is deleted and a new one created; the old "
+        "capture is never restored into the new pod.",
+        "Nothing."),
+    # -- verification ----------------------------------------------------------------------------------
+    Reason.VERIFYING: ReasonDoc(
+        VERIFY, "normal", "`Verified=Unknown`, `status.controller.verification` (controller)",
+        "The worker is awake and the controller is proving the wake: identity, endpoint ready, then "
+        "pinned requests.",
+        "Nothing."),
+    Reason.VERIFIED: ReasonDoc(
+        VERIFY, "normal", "`Verified=True`; Event (controller)",
+        "Same pod UID, IP, DWM and instance id, endpoint ready, and every pinned request was answered by "
+        "this worker.",
+        "Nothing."),
+    Reason.POD_CHANGED: ReasonDoc(
+        VERIFY, "failure", "`Verified=False`; Warning Event (controller)",
+        "The pod's UID or IP is not the one recorded before the worker slept.",
+        "The pod was recreated or its network changed: the fallback applies (`on-failed-wake`). Look for "
+        "who deleted the pod (`kubectl get events`)."),
+    Reason.DWM_CHANGED: ReasonDoc(
+        VERIFY, "failure", "`Verified=False`; Warning Event (controller)",
+        "The worker's DynamoWorkerMetadata is gone, has another UID, or names another instance id: Dynamo's "
+        "discovery no longer leads to this worker.",
+        "Check the worker's log for re-registration errors (its API-server watches after a long sleep: "
+        "`--reset-apiserver-connections-after`). The fallback applies."),
+    Reason.ENDPOINT_NOT_READY: ReasonDoc(
+        VERIFY, "failure", "`Verified=False`; Warning Event (controller)",
+        "The worker's EndpointSlice endpoint did not become ready (with the same `targetRef.uid`) within "
+        "`--verify-timeout`.",
+        "The pod's readiness probe (the entrypoint's `/health`, i.e. the worker's own) fails: read the "
+        "worker's log. The fallback applies."),
+    Reason.PINNED_REQUEST_FAILED: ReasonDoc(
+        VERIFY, "failure", "`Verified=False`; Warning Event (controller)",
+        "Requests pinned to the worker through the frontend were refused or timed out until "
+        "`--verify-timeout`.",
+        "The worker is up but does not serve: read its log (a restored engine that cannot reach its GPU "
+        "or its peers). The fallback applies."),
+    Reason.ANSWERED_BY_ANOTHER_WORKER: ReasonDoc(
+        VERIFY, "failure", "`Verified=False`; Warning Event (controller)",
+        "A request pinned to this worker came back with another worker's id: the frontend's idea of this "
+        "instance leads elsewhere.",
+        "The frontend's view of discovery is stale or wrong: check its log and the DWMs. The fallback "
+        "applies."),
+    Reason.FRONTEND_UNAVAILABLE: ReasonDoc(
+        VERIFY, "failure", "`Verified=False`; Warning Event (controller)",
+        "No frontend of the graph could be reached to send the pinned requests, or it lists no model.",
+        "Check the graph's frontend pod and Service; the controller must reach it (network policies). The "
+        "fallback applies."),
+    Reason.WAKE_FAILED: ReasonDoc(
+        VERIFY, "failure", "`Verified=False` (controller)",
+        "Reserved: a failed wake is reported by the specific reason above.",
+        _RESERVED_ACTION, reserved=True),
+    Reason.COLD_RESTART: ReasonDoc(
+        VERIFY, "failure", "Warning Event on the pod; `status.controller.verification.fallback` (controller)",
+        "A wake was not verified and `dynsnap.io/on-failed-wake: restart` applies: the pod was deleted (with "
+        "a UID precondition) so the operator recreates it and it starts cold.",
+        "Nothing for this worker; find why the wake failed from the `Verified=False` reason before it. "
+        "`on-failed-wake: none` leaves the pod out of serving for you to look at instead."),
+}
