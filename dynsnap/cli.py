@@ -2,10 +2,12 @@
 
     dynsnap demo                         local control plane + Dynamo: a full suspend -> wake -> verify cycle
     dynsnap crd                          print dynsnap's CRDs, generated from the models
+    dynsnap docs NAME [--write|--check]  a docs/ page generated from the code (operations, configuration)
     dynsnap controller [options]         the controller (one active replica, elected by a Lease)
     dynsnap agent [options]              the node agent (one per node)
     dynsnap agent exec ... capture|wake  one capture or wake of one worker here, without Kubernetes
     dynsnap status [-n NS | -A] [--watch] the workers dynsnap manages: state, idle for, last capture/wake, proof
+    dynsnap status --timeline POD [-o F] a PNG timeline of the worker's last capture and wake (needs dynsnap[plots])
     dynsnap suspend|wake POD [-n NS]     the manual override on one worker pod, followed until done or failed
 
 Bad arguments exit 2 with the reason; nothing is touched.
@@ -74,7 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="local control plane + Dynamo: serve, pin, summarise, tear down")
+    demo = sub.add_parser("demo", help="local control plane + Dynamo: serve, pin, summarise, tear down")
+    demo.add_argument("--timeline-out", type=Path, default=Path("dynsnap-demo-timeline.png"), metavar="PNG",
+                      help="where the PNG timeline of every capture and wake goes (default: %(default)s; "
+                      "needs dynsnap[plots])")
+    docs = sub.add_parser("docs", help="a docs/ page generated from the code, on stdout")
+    docs.add_argument("name", choices=["operations", "configuration"])
+    how = docs.add_mutually_exclusive_group()
+    how.add_argument("--write", action="store_true", help="write it into the checkout's docs/ instead")
+    how.add_argument("--check", action="store_true", help="exit 1 when the checkout's docs/ file differs")
     sub.add_parser("crd", help="print dynsnap's CRDs (YAML), generated from the pydantic models")
     ctl = sub.add_parser("controller", help="the controller: decides which workers sleep, wakes and verifies them")
     ctl.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
@@ -107,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from dynsnap.demo import run_demo
 
-        rc: int = run_demo()
+        rc: int = run_demo(timeline_out=args.timeline_out)
         return rc
+    if args.command == "docs":
+        return _docs(args)
     if args.command == "crd":
         import yaml
 
@@ -133,9 +145,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.agent_command == "exec":
             return _exec(parser, args, settings)
         return asyncio.run(_agent(args, settings))
+    if args.command == "status":
+        if args.timeline is None and args.output not in (None, "table", "json"):
+            parser.error(f"argument -o/--output: invalid choice: {args.output!r} (choose from 'table', 'json'; "
+                         "a file name only with --timeline)")
+        if args.timeline is not None and (args.watch or args.all_namespaces):
+            parser.error("--timeline POD draws one worker: not with --watch or -A")
     if args.command in ("status", "suspend", "wake"):
         return asyncio.run(_user_command(args))
     return 2
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from dynsnap import docs
+
+    text = docs.GENERATORS[args.name]()
+    path = docs.path_of(args.name)
+    if args.check:
+        same = path.is_file() and path.read_text() == text
+        sys.stderr.write(f"{path}: {'up to date' if same else 'differs from the code: dynsnap docs ' + args.name}"
+                         f"{'' if same else ' --write'}\n")
+        return 0 if same else 1
+    if args.write:
+        path.write_text(text)
+        sys.stderr.write(f"wrote {path}\n")
+        return 0
+    sys.stdout.write(text)
+    return 0
 
 
 def _exec(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: AgentSettings) -> int:
@@ -208,8 +244,11 @@ def _add_user_commands(sub: Any) -> None:
     where.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, else default)")
     where.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
     st.add_argument("-w", "--watch", action="store_true", help="keep watching; print each row again when it changes")
-    st.add_argument("-o", "--output", choices=["table", "json"], default="table",
-                    help="table (default) or json (with --watch: one JSON object per change and line)")
+    st.add_argument("-o", "--output", metavar="table|json|FILE",
+                    help="table (default) or json (with --watch: one JSON object per change and line); with "
+                    "--timeline: the PNG file (default: POD-timeline.png)")
+    st.add_argument("--timeline", metavar="POD", help="write a PNG timeline of POD's last quiesce, capture, wake "
+                    "and verification, each step with its duration (needs matplotlib: pip install 'dynsnap[plots]')")
     for action, what in (("suspend", "put one worker to sleep"), ("wake", "wake one worker and prove it")):
         p = sub.add_parser(action, help=f"{what}: set {ANN_DESIRED_STATE} on its pod and follow it")
         p.add_argument("pod", metavar="POD", help="the worker pod")
@@ -230,14 +269,25 @@ async def _user_command(args: argparse.Namespace) -> int:
 
     if getattr(args, "timeout", 1.0) <= 0:
         return fail(follow.USAGE, f"--timeout {args.timeout}: must be more than 0 seconds")
+    timeline = getattr(args, "timeline", None)
+    if timeline is not None:
+        from dynsnap.controller.timeline import PlotsUnavailable, check_plots
+
+        try:
+            check_plots()  # before anything is asked of the cluster
+        except PlotsUnavailable as e:
+            return fail(follow.USAGE, str(e))
     try:
         kube, default_ns = await follow.connect(args.kubeconfig)
     except follow.UsageError as e:
         return fail(follow.USAGE, str(e))
     try:
+        if args.command == "status" and timeline is not None:
+            return await follow.timeline(kube, namespace=args.namespace or default_ns, pod=timeline,
+                                         path=Path(args.output or f"{timeline}-timeline.png"), out=sys.stdout)
         if args.command == "status":
             ns = None if args.all_namespaces else (args.namespace or default_ns)
-            return await follow.status(kube, namespace=ns, watch=args.watch, output=args.output,
+            return await follow.status(kube, namespace=ns, watch=args.watch, output=args.output or "table",
                                        out=sys.stdout, err=sys.stderr)
         return await follow.request(kube, action=args.command, namespace=args.namespace or default_ns,
                                     pod=args.pod, timeout=args.timeout, follow=not args.no_follow, out=sys.stdout)
