@@ -11,8 +11,10 @@ the agents do on their own, read from WorkerSnapshot status and Events:
    ready, frontend no longer routing, nothing in flight; then the agent's capture steps);
 2. load arrives through the frontend; the controller wakes the sleepers in place and proves each
    wake with requests pinned to it;
-3. a table of every capture and wake with each step's measured duration, and the checks: every
-   request answered, every wake verified N/N, pod UIDs, IPs, DWMs unchanged, no liveness restart.
+3. a table of every capture and wake with each step's measured duration, the same as a PNG timeline
+   (``--timeline-out``, default ./dynsnap-demo-timeline.png: outside the work directory, which goes
+   at the end), and the checks: every request answered, every wake verified N/N, pod UIDs, IPs, DWMs
+   unchanged, no liveness restart.
 
 Tears everything down; exit 0 only if every check held.
 """
@@ -30,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from dynsnap.controller import timeline as TL
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
@@ -77,7 +80,9 @@ class Narrator:
         self.tl = tl
         self.seen: dict[str, dict[str, Any]] = {}
         self.events: set[str] = set()
-        self.history: dict[str, list[dict[str, Any]]] = {}  # pod -> finished operations, in order
+        # pod -> finished operations, in order: what the table prints, and kind + record (as on the
+        # WorkerSnapshot) for the PNG timeline
+        self.history: dict[str, list[dict[str, Any]]] = {}
 
     async def poll(self) -> None:
         snaps = (await self.api.list(R.WORKER_SNAPSHOTS, namespace=TEST_NAMESPACE))["items"]
@@ -102,24 +107,27 @@ class Narrator:
         q = rec.get("quiesce") or {}
         if q.get("finished") and q.get("ok") and last.get("quiesce") != q.get("id"):
             last["quiesce"] = q.get("id")
-            hist.append({"op": "quiesce", "steps": q.get("steps") or []})
+            hist.append({"op": "quiesce", "steps": q.get("steps") or [], "kind": "quiesce", "record": q})
             self.tl.step(f"{name}: quiesced by the controller: {_steps(q)}")
         cap = st.get("lastCapture") or {}
         if cap.get("finished") and last.get("capture") != cap.get("id"):
             last["capture"] = cap.get("id")
-            hist.append({"op": f"capture ({cap.get('tier')})", "steps": cap.get("steps") or [], "ok": cap.get("ok")})
+            hist.append({"op": f"capture ({cap.get('tier')})", "steps": cap.get("steps") or [], "ok": cap.get("ok"),
+                         "kind": "capture", "record": cap})
             freed = st.get("image") or {}
             self.tl.step(f"{name}: captured by the agent ({cap.get('tier')}, ok={cap.get('ok')}): {_steps(cap)}"
                          + (f"; image {freed.get('bytes', 0) / 2**20:.0f} MiB" if freed else ""))
         wake = st.get("lastWake") or {}
         if wake.get("finished") and last.get("wake") != wake.get("id"):
             last["wake"] = wake.get("id")
-            hist.append({"op": f"wake ({wake.get('tier')})", "steps": wake.get("steps") or [], "ok": wake.get("ok")})
+            hist.append({"op": f"wake ({wake.get('tier')})", "steps": wake.get("steps") or [], "ok": wake.get("ok"),
+                         "kind": "wake", "record": wake})
             self.tl.step(f"{name}: woken in place by the agent (ok={wake.get('ok')}): {_steps(wake)}")
         v = rec.get("verification") or {}
         if v.get("finished") and last.get("verified") != (v.get("wakeId"), v.get("ok")):
             last["verified"] = (v.get("wakeId"), v.get("ok"))
-            hist.append({"op": "verify", "steps": v.get("steps") or [], "ok": v.get("ok")})
+            hist.append({"op": "verify", "steps": v.get("steps") or [], "ok": v.get("ok"), "kind": "verify",
+                         "record": v})
             self.tl.step(f"{name}: verification {'PASSED' if v.get('ok') else 'FAILED'} ({v.get('reason')}): "
                          f"{v.get('answered')}/{v.get('requests')} pinned answers; {_steps(v)}")
 
@@ -176,7 +184,20 @@ def _asleep(ws: Obj) -> bool:
     return ws["spec"]["desiredState"] == "Suspended" and (ws.get("status") or {}).get("state") == "Suspended"
 
 
-async def _run(workdir: Path) -> int:
+def _write_timeline(narrator: Narrator, path: Path, tl: Timeline) -> None:
+    """The PNG of every operation the narrator saw (dynsnap/controller/timeline.py); a failure to draw
+    it is a failed check, said with its reason (the plots extra missing: how to install it)."""
+    ops = [op for name in sorted(narrator.history) for h in narrator.history[name]
+           if (op := TL.operation(name, h["kind"], h["record"])) is not None]
+    try:
+        w, h = TL.write_timeline(ops, path, title="dynsnap demo: every quiesce, capture, wake and verification")
+    except (TL.PlotsUnavailable, ValueError, OSError) as e:
+        tl.check(False, f"timeline PNG not written: {e}")
+        return
+    tl.check(path.is_file(), f"timeline of {len(ops)} operations drawn: {path.resolve()} ({w}x{h} px)")
+
+
+async def _run(workdir: Path, timeline_out: Path) -> int:
     tl = Timeline()
     # Its own bridge and /16, so a demo can run beside a test session's cluster (dsnbr0, 10.213/16).
     cluster = LocalCluster(workdir / "cluster", net=SandboxNetwork(bridge=DEMO_BRIDGE, cidr=DEMO_CIDR))
@@ -276,6 +297,7 @@ async def _run(workdir: Path) -> int:
                 rows.append([name, op["op"], f"{total:.2f}s", _steps(op)])
         print("\nTimeline of every capture and wake (durations measured by the controller and the agents)\n"
               + _table(rows, ["WORKER", "OPERATION", "TOTAL", "STEPS"]) + "\n", flush=True)
+        _write_timeline(narrator, timeline_out, tl)
     finally:
         stop_narrator.set()
         if narrator_task is not None:
@@ -293,9 +315,9 @@ async def _run(workdir: Path) -> int:
     return 0
 
 
-def run_demo() -> int:
+def run_demo(timeline_out: Path = Path("dynsnap-demo-timeline.png")) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="dynsnap-demo-"))
     try:
-        return asyncio.run(_run(workdir))
+        return asyncio.run(_run(workdir, timeline_out))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
