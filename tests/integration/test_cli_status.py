@@ -478,3 +478,52 @@ async def test_no_follow_only_annotates_and_a_timeout_exits_3_with_what_was_last
     assert out.splitlines()[0] == f"pod {NS}/{w.name}: {P.ANN_DESIRED_STATE}=active (was: active)"
     assert re.search(r"^timed out after 3s; last seen: state Suspended, desired Suspended; last capture 2\.00s, "
                      r"\d+s ago; last wake 0\.75s, \d+s ago; verified by 3/3 pinned \d+s ago$", out, re.M), out
+
+
+# -- status --timeline ----------------------------------------------------------------------------------
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+async def test_status_timeline_draws_the_workers_last_capture_and_wake_into_a_png(
+        cluster: LocalCluster, users: Users, workers: list[Worker], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from dynsnap.controller import timeline as TL
+
+    a = await make_worker(cluster, "cli-timeline-a")
+    bare = await make_worker(cluster, "cli-timeline-bare")
+    workers += [a, bare]
+    await asleep(a)  # capture c1 (2.00 s) and wake w0 (0.75 s) recorded by "the agent"
+    await a.controller({"quiesce": op("q1", [("gate", 0.5), ("endpoint-not-ready", 1.25)], done=True, started=60),
+                        "verification": verification("w0", ok=True, answered=3)
+                        | {"steps": [{"name": "identity+endpoint", "seconds": 0.5},
+                                     {"name": "pinned-requests", "seconds": 1.0}]}},
+                       verified=cond("Verified", "True", "Verified"))
+    png = tmp_path / "a.png"
+    rc, out, err = await run_cli("status", "--timeline", a.name, "-n", NS, "-o", str(png), kubeconfig=users.kubeconfig)
+    assert rc == 0, err
+    # The file is a PNG of the size the layout of this WorkerSnapshot's records asks for...
+    ws = await cluster.api.get(R.WORKER_SNAPSHOTS, a.name, namespace=NS)
+    ops = TL.operations_of(ws)
+    assert [o.kind for o in ops] == ["quiesce", "capture", "wake", "verify"]
+    size = _png_size(png.read_bytes())
+    assert size == TL.figure_size(TL.layout(ops))
+    # ...and the command says what it drew: each operation with the total of its recorded steps.
+    assert out.splitlines() == [f"wrote {png} ({size[0]}x{size[1]} px): quiesce (controller) 1.75s; "
+                                "capture (suspend) 2.00s; wake (suspend) 0.75s; verify (controller) 1.50s"], out
+
+    # A worker with nothing recorded yet: exit 1, nothing written.
+    empty = tmp_path / "bare.png"
+    rc, out, err = await run_cli("status", "--timeline", bare.name, "-n", NS, "-o", str(empty),
+                                 kubeconfig=users.kubeconfig)
+    assert rc == 1 and "no quiesce, capture, wake or verification recorded yet; nothing written" in out, out + err
+    assert not empty.exists()
+    # A pod dynsnap does not manage, and -o that is neither a format nor (with --timeline) a file: exit 2.
+    rc, out, err = await run_cli("status", "--timeline", "no-such-pod", "-n", NS, "-o", str(empty),
+                                 kubeconfig=users.kubeconfig)
+    assert rc == 2 and f"pod {NS}/no-such-pod has no WorkerSnapshot" in err, err
+    rc, out, err = await run_cli("status", "-n", NS, "-o", "yaml", kubeconfig=users.kubeconfig)
+    assert rc == 2 and "argument -o/--output: invalid choice: 'yaml'" in err, err
+    assert not empty.exists()
