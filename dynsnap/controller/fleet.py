@@ -46,20 +46,38 @@ class ComponentSpec:
         return self.type in WORKER_TYPES
 
 
+def _component_annotations(c: Obj) -> dict[str, str]:
+    """A component's own annotations: its pod template's metadata (v1beta1 as Dynamo 1.6.1 serves it:
+    what the operator puts on the pods), ``extraPodMetadata`` (v1alpha1), or ``annotations`` (both
+    shapes carry it in older releases); later ones win key by key."""
+    out: dict[str, str] = {}
+    for part in (((c.get("podTemplate") or {}).get("metadata") or {}).get("annotations"),
+                 (c.get("extraPodMetadata") or {}).get("annotations"), c.get("annotations")):
+        if isinstance(part, dict):
+            out.update({str(k): str(v) for k, v in part.items()})
+    return out
+
+
+def _component(name: str, c: Obj) -> ComponentSpec:
+    # v1beta1 names the kind of component `type` (frontend, worker, prefill, decode, planner, epp);
+    # v1alpha1 and older v1beta1 `componentType` (+ `subComponentType` for prefill/decode).
+    ctype = str(c.get("type") or c.get("componentType") or "")
+    sub = c.get("subComponentType") or (ctype if ctype in ("prefill", "decode") else None)
+    return ComponentSpec(name, ctype, sub, _component_annotations(c))
+
+
 def dgd_components(dgd: Obj) -> list[ComponentSpec]:
     """A DGD's components, v1beta1 (``spec.components[]``) or v1alpha1 (``spec.services``)."""
     spec = dgd.get("spec") or {}
     out = []
     for c in spec.get("components") or []:
         if isinstance(c, dict) and c.get("name"):
-            out.append(ComponentSpec(str(c["name"]), str(c.get("componentType") or ""),
-                                     c.get("subComponentType"), dict(c.get("annotations") or {})))
+            out.append(_component(str(c["name"]), c))
     services = spec.get("services") or {}
     if isinstance(services, dict):
         for name, s in services.items():
             if isinstance(s, dict):
-                out.append(ComponentSpec(str(name), str(s.get("componentType") or ""), s.get("subComponentType"),
-                                         dict(s.get("annotations") or {})))
+                out.append(_component(str(name), s))
     return out
 
 

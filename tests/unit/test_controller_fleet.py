@@ -33,6 +33,18 @@ def test_components_of_both_dgd_versions() -> None:
     assert a[1].annotations == {P.ANN_TIER: "snapshot"}
 
 
+def test_components_in_dynamo_1_6_1_v1beta1_shape() -> None:
+    """``type`` and a native ``podTemplate``: component policy lives on the template's metadata."""
+    dgd = {"spec": {"components": [
+        {"name": "Frontend", "type": "frontend"},
+        {"name": "prefill", "type": "prefill", "podTemplate": {"metadata": {"annotations": {P.ANN_MIN_ACTIVE: "2"}}}},
+        {"name": "VllmWorker", "type": "worker", "podTemplate": {"spec": {}}}]}}
+    got = [(c.name, c.type, c.sub, c.is_worker, c.annotations) for c in F.dgd_components(dgd)]
+    assert got == [("Frontend", "frontend", None, False, {}), ("prefill", "prefill", "prefill", True,
+                                                              {P.ANN_MIN_ACTIVE: "2"}),
+                   ("VllmWorker", "worker", None, True, {})]
+
+
 def pod(*, sub: str | None = None, gate: str | None = "True", ready: bool = True, uid: str = UID) -> dict[str, Any]:
     labels = {P.LABEL_DGD_NAME: "g", P.LABEL_COMPONENT: "w", P.LABEL_COMPONENT_TYPE: "worker"}
     if sub:
