@@ -9,6 +9,14 @@
  * in 2 MiB at a time instead of 4 KiB. If the driver calls the system call directly, nothing here
  * runs, and the worker's AnonHugePages after a checkpoint says so.
  *
+ * MAP_POPULATE: the H200 run of 2026-11-30 showed driver 580.159 maps its copy with
+ * MAP_PRIVATE|MAP_ANONYMOUS|MAP_POPULATE (flags 0x8022) through this very symbol, so the kernel
+ * faulted every page in, 4 KiB each, inside mmap() itself, before a madvise after it could matter
+ * (the mapping had VM_HUGEPAGE, "hg", and 0 kB AnonHugePages). So a large anonymous MAP_POPULATE
+ * mapping is made here without MAP_POPULATE, marked, then populated by MADV_POPULATE_WRITE (or
+ * _READ when not writable): the same prefault, now on huge pages. MAP_POPULATE never fails the
+ * mmap, so neither does a failed populate here.
+ *
  * Env: DYNSNAP_THP_MIN (bytes, default 2 MiB): smallest mapping marked; DYNSNAP_THP_LOG (path):
  * append one line per marked mapping ("addr len prot flags madvise_rc errno").
  * Build: cc -O2 -shared -fPIC -o thp_advise.so thp_advise.c -ldl
@@ -29,21 +37,40 @@ typedef void *(*mmap_fn)(void *, size_t, int, int, int, off_t);
 static mmap_fn real_mmap;
 static mmap_fn real_mmap64;
 
-static void advise(void *p, size_t len, int prot, int flags) {
-	static size_t min_len;
-	if (p == MAP_FAILED || !(flags & MAP_ANONYMOUS))
-		return;
-	if (!min_len) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#define MADV_POPULATE_WRITE 23
+#endif
+
+static size_t min_len(void) {
+	static size_t n;
+	if (!n) {
 		const char *m = getenv("DYNSNAP_THP_MIN");
-		min_len = m ? strtoull(m, NULL, 0) : (2u << 20);
-		if (!min_len)
-			min_len = 1;
+		n = m ? strtoull(m, NULL, 0) : (2u << 20);
+		if (!n)
+			n = 1;
 	}
-	if (len < min_len)
+	return n;
+}
+
+/* The mappings this shim takes over: anonymous and at least DYNSNAP_THP_MIN bytes. */
+static int wanted(size_t len, int flags) {
+	return (flags & MAP_ANONYMOUS) && len >= min_len();
+}
+
+static void advise(void *p, size_t len, int prot, int flags) {
+	if (p == MAP_FAILED || !wanted(len, flags))
 		return;
 	int saved = errno;
 	int rc = madvise(p, len, MADV_HUGEPAGE);
 	int err = rc ? errno : 0;
+	if (flags & MAP_POPULATE) {  /* mapped without it by the caller below: prefault now */
+		int prc = madvise(p, len, (prot & PROT_WRITE) ? MADV_POPULATE_WRITE : MADV_POPULATE_READ);
+		if (prc && !rc) {
+			rc = prc;
+			err = errno;
+		}
+	}
 	const char *log = getenv("DYNSNAP_THP_LOG");
 	if (log) {
 		/* write(2) only: no stdio buffers inside an allocator's mmap call */
@@ -62,7 +89,7 @@ static void advise(void *p, size_t len, int prot, int flags) {
 void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
 	if (!real_mmap)
 		real_mmap = (mmap_fn)dlsym(RTLD_NEXT, "mmap");
-	void *p = real_mmap(addr, len, prot, flags, fd, off);
+	void *p = real_mmap(addr, len, prot, wanted(len, flags) ? flags & ~MAP_POPULATE : flags, fd, off);
 	advise(p, len, prot, flags);
 	return p;
 }
@@ -70,7 +97,7 @@ void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
 void *mmap64(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
 	if (!real_mmap64)
 		real_mmap64 = (mmap_fn)dlsym(RTLD_NEXT, "mmap64");
-	void *p = real_mmap64(addr, len, prot, flags, fd, off);
+	void *p = real_mmap64(addr, len, prot, wanted(len, flags) ? flags & ~MAP_POPULATE : flags, fd, off);
 	advise(p, len, prot, flags);
 	return p;
 }

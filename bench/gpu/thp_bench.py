@@ -529,9 +529,9 @@ class Bench:
 
 def fake_worker(mib: int) -> None:
     """Stands in, for a local logic test without a GPU, for bench/gpu/worker.py AND for what the CUDA
-    driver does inside it at a checkpoint: SIGUSR1 maps MIB MiB anonymous memory through the
-    dynamic ``mmap`` symbol (as a driver linked against libc would, so thp_advise.so sees it) and
-    fills it (the device → host copy); SIGUSR2 checks and unmaps it (the restore). Speaks
+    driver does inside it at a checkpoint: SIGUSR1 maps MIB MiB anonymous memory with MAP_POPULATE
+    through the dynamic ``mmap`` symbol (as driver 580.159 does, seen on the H200: so
+    thp_advise.so sees it) and fills it (the device → host copy); SIGUSR2 checks and unmaps it (the restore). Speaks
     worker.py's stdin protocol (ready / check / quit). Marks each step done in /tmp/fake-ckpt-PID."""
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -541,7 +541,8 @@ def fake_worker(mib: int) -> None:
     n = mib * MIB
 
     def save(*_: object) -> None:
-        addr = libc.mmap(None, n, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+        # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS|POPULATE: the flags driver 580.159 maps its copy with
+        addr = libc.mmap(None, n, 3, 0x8022, -1, 0)
         ctypes.memset(addr, 0x5A, n)
         state["addr"] = addr
         flag.write_text("saved")
