@@ -162,3 +162,34 @@ def test_the_dashboard_is_importable() -> None:
     for where, expr in queries(dash):
         for var in re.findall(r"\$\{?([A-Za-z_]+)\}?", expr):
             assert var.startswith("__") or var in variables, (where, var)
+
+
+def test_every_selected_series_is_in_what_a_process_really_serves() -> None:
+    """Against the exposition text itself: a Metrics that saw one of each event, rendered as /metrics
+    serves it, parsed with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dynsnap.telemetry.metrics import Metrics
+
+    m = Metrics()
+    m.reconciled("controller", "done")
+    m.set_queue_depth("controller", 2)
+    m.operation_finished("capture", "snapshot", ok=True, seconds=3.0)
+    m.operation_finished("wake", "snapshot", ok=True, seconds=2.0)
+    m.operation_finished("wake", "snapshot", ok=False, seconds=None)
+    m.observe_verify("verified", 0.7)
+    m.frontend_scrape("ok")
+    m.api_request("get")
+    m.set_workers({"Suspended": 1})
+    m.set_gpu_bytes_freed(2**30)
+    served: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(m.render()):
+        for s in fam.samples:
+            served.setdefault(s.name, set()).update(s.labels)
+    for where, expr in queries(_load()):
+        def visit(node: Any, where: str = where) -> None:
+            if isinstance(node, pq.VectorSelector):
+                assert node.name in served, (where, node.name)
+                extra = {x.name for x in node.matchers.matchers} - served[node.name] - set(TARGET_LABELS)
+                assert not extra, (where, node.name, extra)
+        pq.walk(pq.parse(_expand(expr)), visit)
