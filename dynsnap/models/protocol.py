@@ -148,8 +148,7 @@ CONTROLLER_CONDITIONS: Final = (ConditionType.VERIFIED.value, ConditionType.POLI
 class Reason(StrEnum):
     """Every reason a WorkerSnapshot condition, Event or error record can carry.
 
-    dynsnap/models/reasons.py explains each (where it shows, what happened, what to do) and
-    docs/operations.md is generated from it; tests/unit/test_docs.py fails when one has no entry.
+    docs/operations.md explains each (what happened, what to do); keep the two in step.
     """
 
     # Accepted
