@@ -162,3 +162,30 @@ def test_without_matplotlib_the_message_says_how_to_install_it(monkeypatch: pyte
         T.write_timeline([T.Operation("w", "wake", "wake (x)", None, (("wake", 1.0),), True)], tmp_path / "x.png",
                          title="t")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_status_timeline_without_matplotlib_exits_2_before_asking_the_cluster(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from dynsnap.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    # No cluster behind this kubeconfig path at all: the command must stop before it would read it.
+    rc = main(["status", "--timeline", "w-0", "-o", str(tmp_path / "w.png"), "--kubeconfig", str(tmp_path / "none")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "drawing a timeline needs matplotlib" in err and "pip install 'dynsnap[plots]'" in err, err
+    assert "kubeconfig" not in err and not (tmp_path / "w.png").exists()
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["status", "-o", "yaml"], "argument -o/--output: invalid choice: 'yaml'"),
+    (["status", "--timeline", "w-0", "--watch"], "--timeline POD draws one worker: not with --watch or -A"),
+    (["status", "--timeline", "w-0", "-A"], "--timeline POD draws one worker: not with --watch or -A"),
+])
+def test_status_refuses_bad_output_and_timeline_combinations(argv: list[str], error: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from dynsnap.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and error in capsys.readouterr().err
