@@ -269,3 +269,22 @@ def test_there_are_examples() -> None:
     assert {p.name for p in EXAMPLES} >= {"agg.yaml", "disagg.yaml"}
     types = {c["type"] for p in EXAMPLES for c in _load(p)["spec"]["components"]}
     assert types >= {"frontend", "worker", "prefill", "decode"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_the_controller_reads_each_example_as_it_is_written(path: Path) -> None:
+    """The controller's reading of a DGD (dynsnap/controller/fleet.py) finds every worker component of
+    the example, with its role, and an enabled policy for it: otherwise it would never scrape the
+    graph's demand, and nothing would ever sleep."""
+    from dynsnap.controller.fleet import dgd_components
+
+    dgd = _load(path)
+    comps = {c.name: c for c in dgd_components(dgd)}
+    for comp in dgd["spec"]["components"]:
+        spec = comps[comp["name"]]
+        assert spec.is_worker == (comp["type"] in WORKER_TYPES), comp["name"]
+        if comp["type"] in ("prefill", "decode"):
+            assert spec.sub == comp["type"]
+        if spec.is_worker:
+            parsed = parse_policy(dgd["metadata"]["annotations"], spec.annotations)
+            assert parsed.ok and parsed.policy is not None and parsed.policy.enabled, (comp["name"], parsed)
