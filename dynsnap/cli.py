@@ -9,6 +9,7 @@
     dynsnap status [-n NS | -A] [--watch] the workers dynsnap manages: state, idle for, last capture/wake, proof
     dynsnap status --timeline POD [-o F] a PNG timeline of the worker's last capture and wake (needs dynsnap[plots])
     dynsnap suspend|wake POD [-n NS]     the manual override on one worker pod, followed until done or failed
+    dynsnap wake --all [-n NS | -A]      every worker awake (what `helm uninstall` runs first)
 
 Bad arguments exit 2 with the reason; nothing is touched.
 """
@@ -251,7 +252,11 @@ def _add_user_commands(sub: Any) -> None:
                     "and verification, each step with its duration (needs matplotlib: pip install 'dynsnap[plots]')")
     for action, what in (("suspend", "put one worker to sleep"), ("wake", "wake one worker and prove it")):
         p = sub.add_parser(action, help=f"{what}: set {ANN_DESIRED_STATE} on its pod and follow it")
-        p.add_argument("pod", metavar="POD", help="the worker pod")
+        p.add_argument("pod", metavar="POD", help="the worker pod", nargs="?" if action == "wake" else None)
+        if action == "wake":
+            p.add_argument("--all", action="store_true", help="every worker dynsnap manages in the namespace, "
+                           "each followed until awake; what the Helm chart's uninstall hook runs")
+            p.add_argument("-A", "--all-namespaces", action="store_true", help="with --all: in every namespace")
         p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, else default)")
         p.add_argument("--kubeconfig", help=kubeconfig)
         p.add_argument("--timeout", type=float, default=300.0,
@@ -269,6 +274,10 @@ async def _user_command(args: argparse.Namespace) -> int:
 
     if getattr(args, "timeout", 1.0) <= 0:
         return fail(follow.USAGE, f"--timeout {args.timeout}: must be more than 0 seconds")
+    every = args.command == "wake" and args.all
+    if args.command == "wake" and (every == (args.pod is not None) or (args.all_namespaces and not every)
+                                   or (args.all_namespaces and args.namespace)):
+        return fail(follow.USAGE, "give either POD or --all (with -n NAMESPACE or -A)")
     timeline = getattr(args, "timeline", None)
     if timeline is not None:
         from dynsnap.controller.timeline import PlotsUnavailable, check_plots
@@ -289,6 +298,9 @@ async def _user_command(args: argparse.Namespace) -> int:
             ns = None if args.all_namespaces else (args.namespace or default_ns)
             return await follow.status(kube, namespace=ns, watch=args.watch, output=args.output or "table",
                                        out=sys.stdout, err=sys.stderr)
+        if every:
+            return await follow.wake_all(kube, namespace=None if args.all_namespaces else args.namespace or default_ns,
+                                         timeout=args.timeout, follow=not args.no_follow, out=sys.stdout)
         return await follow.request(kube, action=args.command, namespace=args.namespace or default_ns,
                                     pod=args.pod, timeout=args.timeout, follow=not args.no_follow, out=sys.stdout)
     except follow.UsageError as e:

@@ -11,12 +11,17 @@ annotated) and follows the pod's WorkerSnapshot through an ``Informer`` (a field
 name), printing what ``dynsnap.controller.progress.Tracker`` makes of each change, until its
 outcome (exit 0 or 1), or ``timeout`` seconds (exit 3, with what was last seen). Bad input (no such
 pod, a pod dynsnap does not manage, a bad name, a request RBAC refuses) is exit 2, nothing changed.
+
+``wake_all`` (``dynsnap wake --all``) is ``request`` for every worker of a namespace (or all): every
+override set first, then each followed; the Helm chart's pre-delete hook runs it before an uninstall
+takes the agents and the controller away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import re
@@ -45,6 +50,9 @@ SYNC_TIMEOUT: Final = 60.0
 # Pod reads for the DGD/component columns run at most this many at once: a fleet of thousands is
 # read in a few seconds without a burst the API server's priority and fairness would throttle.
 POD_READS: Final = 16
+# `dynsnap wake --all` follows this many workers at once (one watch each): a fleet of thousands does
+# not open thousands of watches at once, and every wake was requested before any is followed.
+FOLLOW_AT_ONCE: Final = 16
 
 
 class UsageError(Exception):
@@ -305,6 +313,16 @@ async def request(kube: Kube, *, action: str, namespace: str, pod: str, timeout:
     started = clock()
     check_name("namespace", namespace, DNS1123_LABEL)
     check_name("pod", pod, DNS1123_SUBDOMAIN)
+    ws = await _set_override(kube, action=action, namespace=namespace, pod=pod, out=out)
+    if not follow:
+        return OK
+    return await _follow(kube, action=action, namespace=namespace, pod=pod, ws=ws, timeout=timeout, started=started,
+                         out=out, clock=clock)
+
+
+async def _set_override(kube: Kube, *, action: str, namespace: str, pod: str, out: TextIO) -> Obj:
+    """The override annotation on ``pod`` (after the checks of :func:`_target`); its WorkerSnapshot as
+    it was before."""
     obj, ws = await _target(kube, namespace, pod)
     value = ANNOTATION_VALUE[action]
     before = (obj["metadata"].get("annotations") or {}).get(P.ANN_DESIRED_STATE)
@@ -320,13 +338,20 @@ async def request(kube: Kube, *, action: str, namespace: str, pod: str, timeout:
     except K8sError as e:
         raise UsageError(f"{explain(e)}; nothing changed") from e
 
+    out.write(f"pod {namespace}/{pod}: {P.ANN_DESIRED_STATE}={value} (was: {before or 'unset'})\n")
+    out.flush()
+    return ws
+
+
+async def _follow(kube: Kube, *, action: str, namespace: str, pod: str, ws: Obj, timeout: float, started: float,
+                  out: TextIO, clock: Callable[[], float]) -> int:
+    """Print the progress of ``pod``'s WorkerSnapshot (``ws``: as it was before the request) until the
+    outcome or ``timeout`` seconds after ``started``; the exit code."""
+
     def emit(line: str) -> None:
         out.write(line + "\n")
         out.flush()
 
-    emit(f"pod {namespace}/{pod}: {P.ANN_DESIRED_STATE}={value} (was: {before or 'unset'})")
-    if not follow:
-        return OK
     tracker = Tracker(action, ws)
     emit(f"following WorkerSnapshot {namespace}/{pod} (timeout {timeout:.0f}s): "
          f"{U.summary(tracker.last, utcnow())}")
@@ -359,5 +384,98 @@ async def request(kube: Kube, *, action: str, namespace: str, pod: str, timeout:
     return TIMEOUT
 
 
+# -- wake --all -------------------------------------------------------------------------------------
+
+async def _managed(kube: Kube, namespace: str | None) -> list[Obj]:
+    """Every WorkerSnapshot in ``namespace`` (None: all), page by page."""
+    items: list[Obj] = []
+    token: str | None = None
+    for _ in range(100_000):  # bounded: 500 per page
+        page = await kube.list(R.WORKER_SNAPSHOTS, namespace=namespace, limit=500, continue_token=token)
+        items += page.get("items") or []
+        token = (page.get("metadata") or {}).get("continue")
+        if not token:
+            break
+    return items
+
+
+async def _gone(kube: Kube, namespace: str, pod: str, uid: str | None) -> str | None:
+    """Why ``pod`` has no worker of this WorkerSnapshot to wake (deleted, or recreated with another UID:
+    the new pod started cold), or None when it is there."""
+    try:
+        obj = await kube.get(R.PODS, pod, namespace=namespace)
+    except NotFound:
+        return "its pod is gone"
+    if obj["metadata"].get("uid") != uid:
+        return "its pod was recreated (a new pod starts awake)"
+    return None
+
+
+async def wake_all(kube: Kube, *, namespace: str | None, timeout: float, follow: bool, out: TextIO,
+                   clock: Callable[[], float] = time.monotonic) -> int:
+    """``dynsnap wake --all``: the override ``active`` on every worker dynsnap manages in ``namespace``
+    (None: every namespace), all set first (so the controller wakes them together and starts no other
+    capture), then each followed as ``wake POD`` follows one, ``FOLLOW_AT_ONCE`` at a time, a worker's
+    lines printed together when it is done. deploy/helm/dynsnap's pre-delete hook runs it before the
+    agents and the controller are deleted, so no worker is left asleep with no one to wake it.
+
+    A WorkerSnapshot whose pod is gone or was recreated has no sleeping worker: skipped, and said so.
+    Exit 0 when every worker is awake, 1 when a wake failed or could not be requested, 3 when one was
+    not done within ``timeout`` seconds (the bound of the whole run)."""
+    started = clock()
+    if namespace is not None:
+        check_name("namespace", namespace, DNS1123_LABEL)
+    await _preflight(kube, namespace)
+    where = f"namespace {namespace}" if namespace else "every namespace"
+    wss = sorted(await _managed(kube, namespace),
+                 key=lambda w: (w["metadata"]["namespace"], (w.get("spec") or {}).get("podName") or ""))
+    out.write(f"waking every worker dynsnap manages in {where}: {len(wss)} WorkerSnapshots\n")
+    out.flush()
+    codes: dict[str, int] = {}  # "ns/pod" -> exit code of its wake
+    requested: list[tuple[str, str, Obj]] = []
+    skipped = 0
+    for ws in wss:
+        ns, pod = ws["metadata"]["namespace"], (ws.get("spec") or {}).get("podName") or ws["metadata"]["name"]
+        why = await _gone(kube, ns, pod, (ws.get("spec") or {}).get("podUID"))
+        if why is None:
+            try:
+                requested.append((ns, pod, await _set_override(kube, action="wake", namespace=ns, pod=pod, out=out)))
+                codes[f"{ns}/{pod}"] = OK  # the override is set; with follow, its outcome replaces this
+                continue
+            except UsageError as e:
+                why = await _gone(kube, ns, pod, (ws.get("spec") or {}).get("podUID"))
+                if why is None:
+                    out.write(f"pod {ns}/{pod}: {e}\n")
+                    codes[f"{ns}/{pod}"] = FAILED
+                    continue
+        out.write(f"pod {ns}/{pod}: skipped, {why}\n")
+        skipped += 1
+    out.flush()
+    if follow and requested:
+        gate = asyncio.Semaphore(FOLLOW_AT_ONCE)
+
+        async def one(ns: str, pod: str, ws: Obj) -> None:
+            async with gate:
+                buf = io.StringIO()
+                try:
+                    codes[f"{ns}/{pod}"] = await _follow(kube, action="wake", namespace=ns, pod=pod, ws=ws,
+                                                         timeout=timeout, started=started, out=buf, clock=clock)
+                except K8sError as e:
+                    buf.write(f"pod {ns}/{pod}: {explain(e)}\n")
+                    codes[f"{ns}/{pod}"] = FAILED
+                out.write(buf.getvalue())
+                out.flush()
+
+        await asyncio.gather(*(one(ns, pod, ws) for ns, pod, ws in requested))
+    failed = sorted(k for k, c in codes.items() if c == FAILED)
+    late = sorted(k for k, c in codes.items() if c == TIMEOUT)
+    done = sum(1 for c in codes.values() if c == OK)
+    summary = f"{done} of {len(codes)} {'awake' if follow else 'asked to wake'}, {skipped} skipped"
+    out.write(summary + (f"; failed: {', '.join(failed)}" if failed else "")
+              + (f"; not done in {timeout:.0f}s: {', '.join(late)}" if late else "") + "\n")
+    out.flush()
+    return FAILED if failed else TIMEOUT if late else OK
+
+
 # The exit codes, with the commands (the CLI maps errors to them).
-__all__ = ["FAILED", "OK", "TIMEOUT", "USAGE", "UsageError", "connect", "explain", "request", "status"]
+__all__ = ["FAILED", "OK", "TIMEOUT", "USAGE", "UsageError", "connect", "explain", "request", "status", "wake_all"]

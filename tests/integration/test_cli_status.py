@@ -395,6 +395,51 @@ async def test_wake_whose_verification_fails_exits_1_with_the_reason_and_the_fal
                              "worker 77, not 4242; fallback: ColdRestart (wake w1)")
 
 
+async def test_wake_all_sets_every_override_first_skips_a_gone_pod_and_names_a_failed_wake(
+        cluster: LocalCluster, users: Users, workers: list[Worker], clis: list[Cli]) -> None:
+    """`dynsnap wake --all -n NS` (the Helm chart's uninstall hook runs it) under the dynsnap-user role:
+    the override on every managed worker before any is followed; a worker awake all along is done at
+    once; a WorkerSnapshot whose pod is gone is skipped, and said so; exit 1 naming the worker whose wake
+    was not verified, once the others are done."""
+    ok, bad, awake = [await make_worker(cluster, f"cli-all-{n}") for n in ("ok", "bad", "awake")]
+    workers += [ok, bad, awake]
+    await asleep(ok, wake_id="w0")
+    await asleep(bad, wake_id="w0")
+    await awake.agent(state="Active", conditions=[cond("Accepted", "True", "Accepted"),
+                                                  cond("Suspended", "False", "Active")])
+    # A WorkerSnapshot left by a pod that is gone (no owner reference, so the garbage collector keeps it).
+    await cluster.api.create(R.WORKER_SNAPSHOTS, {
+        "apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND,
+        "metadata": {"name": "cli-all-gone", "namespace": NS, "labels": {P.LABEL_NODE: NODES[0]}},
+        "spec": {"podName": "cli-all-gone", "podUID": "0f6c3f2e-1b2a-4c3d-8e4f-5a6b7c8d9e0f", "tier": "suspend",
+                 "desiredState": "Suspended"}})
+    workers.append(Worker(cluster.api, "cli-all-gone"))
+    cli = await Cli.start("wake", "--all", "-n", NS, "--timeout", "120", kubeconfig=users.kubeconfig)
+    clis.append(cli)
+    await cli.expect(rf"^waking every worker dynsnap manages in namespace {NS}: \d+ WorkerSnapshots$")
+    await cli.expect(rf"^pod {NS}/cli-all-gone: skipped, its pod is gone$")
+    await cli.expect(rf"^pod {NS}/{ok.name}: {P.ANN_DESIRED_STATE}=active \(was: unset\)$")  # the last, by name
+    for w in (ok, bad, awake):  # every override is set before any worker is woken
+        assert await w.override() == "active", w.name
+    ok_ws = await cluster.api.get(R.WORKER_SNAPSHOTS, ok.name, namespace=NS)
+    assert ok_ws["status"]["state"] == "Suspended", ok_ws["status"]
+    for w in (ok, bad):  # the controller honours the overrides; the agent wakes both
+        await w.desire("Active")
+        await w.agent(state="Active", lastWake=op("w1", WAKE_STEPS, done=True, started=1),
+                      conditions=[cond("Accepted", "True", "Accepted"), cond("Suspended", "False", "Active")])
+    await bad.controller({"verification": verification(
+        "w1", ok=False, answered=0, reason="PinnedRequestFailed", message="pinned request 1/3: 503",
+        fallback="ColdRestart")}, verified=cond("Verified", "False", "PinnedRequestFailed"))
+    await cli.expect(r"^verification FAILED: PinnedRequestFailed")
+    assert cli.proc.returncode is None  # the other wake is still followed
+    await ok.controller({"verification": verification("w1", ok=True, answered=3)},
+                        verified=cond("Verified", "True", "Verified"))
+    assert await cli.exit_code() == 1, f"{cli.text}\n{await cli.stderr()}"
+    assert "active: the worker never slept, nothing to wake" in cli.lines, cli.text
+    assert "verified: 3/3 pinned requests answered by worker 4242 (wake w1, woken in 0.75s)" in cli.lines, cli.text
+    assert cli.lines[-1] == f"2 of 3 awake, 1 skipped; failed: {NS}/{bad.name}"
+
+
 # -- suspend --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fails", [False, True], ids=["captured", "capture-fails"])
