@@ -218,13 +218,15 @@ class Reconciler:
             rec.verification = v
             await self._write(ws, rec, verified=(None, Reason.VERIFYING, v.message))
             return 0.0
+        # Identity first: a worker whose pod or DWM changed is never put back into serving, where the
+        # frontend would route unpinned requests to it (or, by its DWM, to another worker in its name).
+        problem = self._identity_problem(pod, rec.identity)
+        if problem is not None:
+            return await self._fail(pod, ws, rec, policy, *problem)
         if F.pod_condition(pod, P.CONDITION_SERVING) != "True":
             await self._gate(pod, True)
             return POLL
         elapsed = (now - v.started).total_seconds()
-        problem = self._identity_problem(pod, rec.identity)
-        if problem is not None:
-            return await self._fail(pod, ws, rec, policy, *problem)
         ready = F.endpoint_ready(self.stores.slices, pod)
         if not ready or not F.pod_ready(pod):
             if elapsed > self.settings.verify_timeout:
