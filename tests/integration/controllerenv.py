@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -94,9 +95,22 @@ class CtlEnv:
                          [f"--- agent {a.node} ---\n{a.tail(60)}" for a in self.agents])
 
 
+def kubeconfig_via(src: Path, server: str, dest: Path) -> Path:
+    """``src`` (a service account's kubeconfig) pointed at ``server`` (a fake_apiproxy in front of the
+    API server): the same identity and RBAC, one more hop."""
+    cfg = yaml.safe_load(src.read_text())
+    for c in cfg["clusters"]:
+        c["cluster"]["server"] = server
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return dest
+
+
 async def start_env(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj], *,
                     controller_args: list[str] | None = None, agent_args: list[str] | None = None,
-                    prefix: str = "dynsnap-ctl-") -> CtlEnv:
+                    prefix: str = "dynsnap-ctl-", controller_server: str | None = None) -> CtlEnv:
+    """The agents, the controller (through ``controller_server`` when given) and the graph, its pods Ready."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     driver = build_stub_driver(work / "stubcuda")
     await install_dynsnap(cluster)
@@ -106,6 +120,8 @@ async def start_env(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj
                         extra=[a.replace("{node}", node) for a in agent_args or []]) for node in NODES]
     for a in agents:
         await a.start()
+    if controller_server is not None:
+        ctl_cfg = kubeconfig_via(ctl_cfg, controller_server, work / "ctl-via.kubeconfig")
     controller = ControllerProc(ctl_cfg, work / "controller",
                                 extra=["--verify-timeout", "30", "--quiesce-timeout", "60", *(controller_args or [])])
     await controller.start()

@@ -1,0 +1,370 @@
+"""A wake that does not really serve ends ``Verified=False`` with its reason, even while a healthy
+peer answers the unpinned traffic: the controller never takes "the agent says Active" or "a
+request through the frontend got an answer" for proof.
+
+Two workers, ``min-active: 1``: one is captured (suspend tier: its processes stay), then load
+through the frontend wakes it, and before the wake one thing is made false:
+
+- ``frozen``: its worker process tree is stopped (SIGSTOP) while it sleeps, so it cannot answer.
+  The agent still wakes it (the driver state and the entrypoint do not need the worker to run)
+  and the pod stays Ready for kubelet's readiness window (the stub kubelet times readiness as
+  kubelet does here, with a window of minutes), so only the pinned requests show it: each gets
+  the frontend's 504 -> ``PinnedRequestFailed``. With ``on-failed-wake: none`` the pod is left
+  to be inspected; with ``restart`` it is deleted (``ColdRestart``), and the delete carries the
+  pod's UID as a precondition: held at the API server's door while the test replaces the pod
+  under the same name, it deletes nothing.
+- ``dwm-*``: its DWM is changed while it sleeps, so the frontend's idea of the worker no longer
+  leads to it: the generate endpoint's instance id made the peer's, the DWM deleted and created
+  again (a new UID), or the endpoint's transport pointed at the peer (same UID, same instance id:
+  pinned answers would all come back naming this worker, served by the peer) -> ``DwmChanged``,
+  and the worker is never put back into serving.
+
+In every case the failed worker's serving gate is False afterwards, its ``Verified`` condition
+False with that reason, a Warning Event says so, and the unpinned requests were answered by the
+peer (a frozen worker answers nothing; requests the frontend routed to it while it was being
+verified end in 504, and none after the verdict).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from controllerenv import CtlEnv, Load, asleep, cond, events_for, get_ws, policy, running
+
+from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.dynsnap_parts import StubDriver
+from dynsnap.testenv.fake_apiproxy import FakeApiProxy, Fault
+
+pytestmark = pytest.mark.cluster
+
+VERIFY_TIMEOUT = 8  # seconds from the wake to a verdict: one round of pinned requests (504 after 5 s)
+READY_WINDOW = 60  # readiness failureThreshold (x periodSeconds 10): kubelet's window, ten minutes here
+
+
+def graph(name: str, on_failed_wake: str) -> Any:
+    def make(driver: StubDriver) -> Obj:
+        worker = D.mocker_component("worker", replicas=2, dynsnap=True, speedup_ratio=1,
+                                    env={"LD_PRELOAD": str(driver.libcuda)})
+        worker["extraPodSpec"]["mainContainer"]["readinessProbe"]["failureThreshold"] = READY_WINDOW
+        worker["annotations"] = policy(min_active=1, verify_requests=3, on_failed_wake=on_failed_wake)
+        body = D.dgd(name, [D.frontend_component(), worker])
+        body["metadata"]["annotations"] = policy(enabled=True, idle_after="2s", tier="suspend", wake_at_inflight=1)
+        return body
+    return make
+
+
+@contextlib.asynccontextmanager
+async def env_through_proxy(cluster: LocalCluster, name: str, on_failed_wake: str) -> AsyncIterator[
+        tuple[CtlEnv, FakeApiProxy]]:
+    """The graph, the agents, and the controller reaching the API server through fake_apiproxy (so a
+    test can hold one of its requests at the door)."""
+    assert cluster.cp is not None
+    async with FakeApiProxy.in_front_of(cluster.cp) as proxy, running(
+            cluster, graph(name, on_failed_wake), controller_server=proxy.url,
+            controller_args=["--verify-timeout", str(VERIFY_TIMEOUT)]) as env:
+        yield env, proxy
+
+
+async def sleeper_and_peer(env: CtlEnv) -> tuple[RunningPod, RunningPod]:
+    """Wait until idleness put exactly one of the two workers to sleep (min-active keeps the other)."""
+    workers = env.graph.workers("worker")
+
+    async def one() -> list[RunningPod] | None:
+        sleeping = [p for p in workers if asleep(await get_ws(env.api, p))]
+        return sleeping if len(sleeping) == 1 else None
+    sleeping: list[RunningPod] = await wait_for("one of two workers asleep", one, timeout=180, interval=0.5)
+    peer = next(p for p in workers if p is not sleeping[0])
+    return sleeping[0], peer
+
+
+def worker_tree(pod: RunningPod) -> list[int]:
+    """Host pids of every process under the pod's entrypoint (the worker and its descendants)."""
+    out: list[int] = []
+    todo = [pod.sandbox.pid]
+    while todo and len(out) < 10_000:
+        pid = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    kids = [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+                    out += kids
+                    todo += kids
+    return out
+
+
+def state_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("State:"):
+            return line.split()[1]
+    return "?"
+
+
+@contextlib.contextmanager
+def frozen(pod: RunningPod) -> Any:
+    """The worker's processes stopped (SIGSTOP) for the block, the entrypoint (PID 1) left running."""
+    pids = worker_tree(pod)
+    assert pids, f"{pod.name}: no worker process under the entrypoint"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while not all(state_of(p) == "T" for p in pids):  # a stop is delivered, not done, by kill()
+            assert time.monotonic() < deadline, [(p, state_of(p)) for p in pids]
+            time.sleep(0.05)
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def gate_of(pod: Obj) -> str | None:
+    return next((str(c.get("status")) for c in (pod.get("status") or {}).get("conditions") or []
+                 if c.get("type") == P.CONDITION_SERVING), None)
+
+
+@contextlib.asynccontextmanager
+async def gate_history(env: CtlEnv, pod: RunningPod) -> AsyncIterator[list[str | None]]:
+    """Every value the pod's serving gate takes during the block, from a watch on the pod (a flip
+    lasting one reconcile is not missed, as it could be between polls)."""
+    live = await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
+    seen: list[str | None] = [gate_of(live)]
+
+    async def follow() -> None:
+        async for ev in env.api.watch(R.PODS, namespace=pod.namespace, field_selector=f"metadata.name={pod.name}",
+                                      resource_version=live["metadata"]["resourceVersion"], timeout_seconds=900):
+            if ev.get("type") in ("ADDED", "MODIFIED") and (g := gate_of(ev["object"])) != seen[-1]:
+                seen.append(g)
+    task = asyncio.create_task(follow())
+    try:
+        yield seen
+    finally:
+        early = task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    assert not early, "the watch on the pod ended early: its history is incomplete"
+
+
+@contextlib.asynccontextmanager
+async def ws_history(env: CtlEnv, pod: RunningPod) -> AsyncIterator[list[Obj]]:
+    """Every version of the pod's WorkerSnapshot during the block, from a watch: the verdict of a
+    restart fallback lives only moments (the pod is deleted, and its WorkerSnapshot with it)."""
+    live = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+    seen: list[Obj] = [live]
+
+    async def follow() -> None:
+        async for ev in env.api.watch(R.WORKER_SNAPSHOTS, namespace=pod.namespace,
+                                      field_selector=f"metadata.name={pod.name}",
+                                      resource_version=live["metadata"]["resourceVersion"], timeout_seconds=900):
+            if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                seen.append(ev["object"])
+    task = asyncio.create_task(follow())
+    try:
+        yield seen
+    finally:
+        early = task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    assert not early, "the watch on the WorkerSnapshot ended early: its history is incomplete"
+
+
+async def wait_verdict(history: list[Obj], reason: str) -> Obj:
+    """The first WorkerSnapshot version whose Verified condition is False with ``reason``."""
+    async def found() -> Obj | None:
+        return next((ws for ws in history if verdict(reason)(ws)), None)
+    try:
+        ws: Obj = await wait_for(f"Verified=False {reason}", found, timeout=180, interval=0.2)
+    except TimeoutError:
+        print("LAST STATUS:", yaml.safe_dump((history[-1] if history else {}).get("status")))
+        raise
+    return ws
+
+
+def verdict(reason: str) -> Any:
+    def check(ws: Obj | None) -> bool:
+        c = cond(ws, "Verified")
+        return bool(c and c["status"] == "False" and c["reason"] == reason)
+    return check
+
+
+async def generate_key(env: CtlEnv, pod: RunningPod) -> tuple[Obj, str]:
+    dwm = await env.api.get(R.DWMS, pod.name, namespace=pod.namespace)
+    key = next(k for k, e in dwm["spec"]["data"]["endpoints"].items() if e.get("endpoint") == "generate")
+    return dwm, key
+
+
+async def change_dwm(env: CtlEnv, how: str, pod: RunningPod, peer: RunningPod) -> str:
+    """Make the sleeping worker's DWM lead elsewhere (as admin: nothing in the product may do this).
+    Returns the text the controller's reason must name."""
+    dwm, key = await generate_key(env, pod)
+    peer_dwm, peer_key = await generate_key(env, peer)
+    if how == "dwm-instance-id":
+        peer_id = peer_dwm["spec"]["data"]["endpoints"][peer_key]["instance_id"]
+        await env.api.merge_patch(R.DWMS, pod.name, {"spec": {"data": {"endpoints": {key: {"instance_id": peer_id}}}}},
+                                  namespace=pod.namespace)
+        return f"instance id {peer_id}, was {instance_id_from_dwm(dwm)}"
+    if how == "dwm-recreated":
+        await env.api.delete(R.DWMS, pod.name, namespace=pod.namespace, uid=dwm["metadata"]["uid"])
+        meta = dwm["metadata"]
+        again = {"apiVersion": dwm["apiVersion"], "kind": dwm["kind"], "spec": dwm["spec"],
+                 "metadata": {"name": meta["name"], "namespace": meta["namespace"], "labels": meta.get("labels") or {},
+                              "ownerReferences": meta["ownerReferences"]}}
+        created = await env.api.create(R.DWMS, again)
+        assert created["metadata"]["uid"] != meta["uid"]
+        return f"DWM UID {created['metadata']['uid']}, was {meta['uid']}"
+    assert how == "dwm-transport"
+    peer_tcp = str(peer_dwm["spec"]["data"]["endpoints"][peer_key]["transport"]["tcp"])
+    patch = {"spec": {"data": {"endpoints": {key: {"transport": {"tcp": peer_tcp}}}}}}
+    await env.api.merge_patch(R.DWMS, pod.name, patch, namespace=pod.namespace)
+    return peer_tcp
+
+
+async def replace_pod(env: CtlEnv, pod: RunningPod) -> str:
+    """The pod gone and another in its place under the same name (the operator's replacement, as the
+    API server sees it: a new UID). Returns the new UID."""
+    await env.cluster.delete_pod(pod.namespace, pod.name)  # its sandbox stopped, the object deleted at once
+
+    async def gone() -> bool:
+        try:
+            await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
+        except NotFound:
+            return True
+        return False
+    await wait_for(f"{pod.name} gone", gone, timeout=60)
+    created = await env.api.create(R.PODS, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod.name, "namespace": pod.namespace},
+        "spec": {"nodeName": pod.node, "containers": [{"name": "main", "image": "replacement"}]}})
+    return str(created["metadata"]["uid"])
+
+
+async def live_pod(env: CtlEnv, pod: RunningPod) -> Obj | None:
+    with contextlib.suppress(NotFound):
+        return await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
+    return None
+
+
+CASES = [("frozen", "none"), ("frozen", "restart"), ("frozen-replaced", "restart"),
+         ("dwm-instance-id", "none"), ("dwm-recreated", "none"), ("dwm-transport", "none")]
+
+
+@pytest.mark.parametrize(("case", "on_failed_wake"), CASES, ids=[f"{c}-{f}" for c, f in CASES])
+async def test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves(
+        cluster: LocalCluster, case: str, on_failed_wake: str) -> None:
+    async with env_through_proxy(cluster, f"false-{case}-{on_failed_wake}", on_failed_wake) as (env, proxy):
+        if case.startswith("frozen"):
+            for p in env.graph.workers("worker"):
+                p.kubelet.readiness_window = True  # a worker that stops answering stays Ready for a while
+        pod, peer = await sleeper_and_peer(env)
+        peer_id = instance_id_from_dwm(await env.api.get(R.DWMS, peer.name, namespace=peer.namespace))
+        reason = "PinnedRequestFailed" if case.startswith("frozen") else "DwmChanged"
+        async with contextlib.AsyncExitStack() as stack:
+            gate = await stack.enter_async_context(gate_history(env, pod))
+            history = await stack.enter_async_context(ws_history(env, pod))
+            names = ""
+            if case.startswith("frozen"):
+                stack.enter_context(frozen(pod))
+            else:
+                names = await change_dwm(env, case, pod, peer)
+            if case == "frozen-replaced":
+                # The controller's fallback delete is held at the API server's door until the pod is replaced.
+                proxy.add(Fault("stall", method="DELETE",
+                                path_contains=f"/namespaces/{pod.namespace}/pods/{pod.name}"))
+            load = Load(env.fe, concurrency=4, max_tokens=30)  # demand over one worker's share: wakes the sleeper
+            load.start()
+            try:
+                ws = await wait_verdict(history, reason)
+                decided = time.time()
+                replacement = None
+                if case == "frozen-replaced":
+                    await proxy.wait_stalled(1, timeout=60)
+                    replacement = await replace_pod(env, pod)
+                    proxy.release()
+                if on_failed_wake == "restart":
+                    async def restarted() -> bool:
+                        return "ColdRestart" in {e["reason"] for e in await events_for(env.api, pod.namespace,
+                                                                                         pod.name)}
+                    await wait_for("the ColdRestart Event (after the fallback's delete returned)", restarted,
+                                   timeout=60)
+
+                async def after_verdict() -> bool:  # unpinned answers after the verdict, to look at below
+                    return sum(1 for r in load.results if r[0] > decided + 7) >= 4
+                await wait_for("unpinned answers after the verdict", after_verdict, timeout=60)
+            finally:
+                await load.stop()
+
+        v = ws["status"]["controller"]["verification"]
+        assert v["ok"] is False and v["reason"] == reason, v
+        verified = cond(ws, "Verified")
+        assert verified is not None and verified["status"] == "False" and verified["reason"] == reason
+        # The agent did wake it: the failure is the controller's finding, not the agent's.
+        assert ws["status"]["state"] == "Active" and ws["status"]["lastWake"]["ok"] is True
+        if case.startswith("frozen"):
+            # Pinned requests were sent and none was answered: the frontend's deadline for a frozen worker
+            # (504 after 5 s), or its 500 once a request to the instance has failed that way.
+            assert v["answered"] == 0 and v["requests"] >= 1, v
+            assert v["headers"] == [P.HEADER_WORKER_INSTANCE_ID], v
+            assert "0/3 pinned requests answered" in v["message"], v["message"]
+            assert re.search(r"; last: HTTP 50[04]: ", v["message"]), v["message"]
+        else:
+            assert names in v["message"], (names, v["message"])
+            assert v.get("requests") in (None, 0), v  # refused before any request was sent to it
+
+        events = await events_for(env.api, pod.namespace, pod.name)
+        warned = [e for e in events if e["type"] == "Warning" and e["reason"] == reason]
+        assert warned and f"fallback: {v['fallback']}" in warned[-1]["note"], events
+
+        live = await live_pod(env, pod)
+        if case.startswith("frozen"):
+            # Back into serving for the pinned requests (the frontend routes only to a ready endpoint), then out.
+            values = [g for g in gate if g is not None]  # None: the replacement pod, which has no gate
+            assert values[0] == "False" and "True" in values and values[-1] == "False", gate
+        else:
+            assert gate == ["False"], f"put back into serving although its DWM changed: {gate}"
+        if on_failed_wake == "none":
+            assert v["fallback"] == "none"
+            assert live is not None and live["metadata"]["uid"] == pod.uid, "the pod is left to be inspected"
+            assert gate_of(live) == "False", "taken out of serving again"
+            assert not [e for e in events if e["reason"] == "ColdRestart"]
+        else:
+            assert v["fallback"] == "ColdRestart"
+            assert [e for e in events if e["type"] == "Warning" and e["reason"] == "ColdRestart"], events
+            if case == "frozen-replaced":
+                # The delete named the failed pod's UID: the pod now under that name survives it.
+                assert [s for s in proxy.seen(method="DELETE", path_contains=f"/pods/{pod.name}")]
+                assert live is not None and live["metadata"]["uid"] == replacement, live
+                assert not live["metadata"].get("deletionTimestamp"), live["metadata"]
+            else:
+                assert live is None or live["metadata"].get("deletionTimestamp") or \
+                    live["metadata"]["uid"] != pod.uid, "the failed pod was deleted"
+
+        # The peer answered the unpinned traffic throughout; the failed worker answered none of it.
+        answered = [r for r in load.results if r[1] == 200]
+        assert len(answered) >= 4 and {r[2] for r in answered} == {peer_id}, {r[2] for r in answered}
+        failed = load.failures()
+        if case.startswith("frozen"):
+            # What the frontend routed to the frozen worker between its gate going True (pinned requests
+            # need the frontend to route to it) and the verdict (plus the frontend's lag in seeing its
+            # endpoint go) failed: the frontend's deadline (504), its 500 for an instance a request already
+            # failed on, or 503 when the pod was deleted under the request. None later than a deadline after.
+            assert all(r[1] in (500, 503, 504) for r in failed), failed[:5]
+            assert not [r for r in failed if r[0] > decided + 7], failed[:5]
+        else:
+            assert not failed, failed[:5]  # never put back into serving: nothing was routed to it
