@@ -1,0 +1,171 @@
+"""The controller's planner (dynsnap/controller/plan.py) by tables: the observed workers of one
+component + its policy + the frontend's demand -> what each worker should be. Never fewer than
+min-active serving workers; a worker still waking or verifying is not serving; a manual suspend that
+would break min-active is refused; unknown demand sends nothing to sleep; a deficit calls off a
+quiesce before it wakes anyone, then wakes the most recently captured; the same facts in any order
+give the same plan."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from dynsnap.controller.plan import Decision, Demand, Phase, Want, WorkerView, needed, plan
+from dynsnap.models.policy import Policy
+from dynsnap.models.protocol import DesiredState
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+POLICY = Policy(enabled=True, idle_after=300.0, min_active=1, wake_at_inflight=4.0)
+IDLE = 400  # seconds idle: past idle-after
+NO_DEMAND = Demand(0)
+S, ST, Q, C, A, WK, N, B = (Phase.SERVING, Phase.STARTING, Phase.QUIESCING, Phase.CAPTURING, Phase.ASLEEP,
+                            Phase.WAKING, Phase.NEW, Phase.BROKEN)
+
+
+def w(name: str, phase: Phase, *, idle: float | None = IDLE, active_ago: float | None = None,
+      captured_ago: float | None = None, override: DesiredState | None = None) -> WorkerView:
+    """A worker: idle for ``idle`` seconds (None: busy), last active ``active_ago`` seconds ago
+    (default: when it went idle), captured ``captured_ago`` seconds ago."""
+    ago = active_ago if active_ago is not None else idle
+    return WorkerView(name=name, phase=phase,
+                      idle_since=NOW - timedelta(seconds=idle) if idle is not None else None,
+                      last_activity=NOW - timedelta(seconds=ago) if ago is not None else None,
+                      last_capture=NOW - timedelta(seconds=captured_ago) if captured_ago is not None else None,
+                      override=override.value if override else None)
+
+
+def wants(workers: list[WorkerView], policy: Policy = POLICY, demand: Demand | None = NO_DEMAND) -> dict[str, Want]:
+    return {k: d.want for k, d in plan(workers, policy, demand, NOW).items()}
+
+
+def serving_after(workers: list[WorkerView], decisions: dict[str, Decision]) -> int:
+    return sum(1 for x in workers if x.phase == Phase.SERVING and decisions[x.name].want == Want.AWAKE)
+
+
+@pytest.mark.parametrize(("min_active", "n", "asleep"), [(1, 1, 0), (1, 2, 1), (1, 3, 2), (2, 3, 1), (3, 3, 0),
+                                                         (2, 5, 3), (5, 3, 0)])
+def test_idle_serving_workers_sleep_down_to_min_active_never_below(min_active: int, n: int, asleep: int) -> None:
+    workers = [w(f"w{i}", S, idle=IDLE + i) for i in range(n)]
+    got = plan(workers, replace(POLICY, min_active=min_active), Demand(0), NOW)
+    assert sum(d.want == Want.ASLEEP for d in got.values()) == asleep
+    assert serving_after(workers, got) == min(n, min_active)
+
+
+@pytest.mark.parametrize("other", [ST, WK, N], ids=["starting", "waking", "new"])
+def test_a_worker_still_waking_or_verifying_does_not_count_as_serving(other: Phase) -> None:
+    # Two awake, but only one of them serves: the serving one may not sleep (min-active 1).
+    got = plan([w("a", S), w("b", other)], POLICY, Demand(0), NOW)
+    assert got["a"].want == Want.AWAKE and "must stay serving" in got["a"].why
+    assert got["b"].want == Want.AWAKE
+    # Once both serve, one may go.
+    assert sorted(wants([w("a", S), w("b", S)]).values()) == [Want.ASLEEP, Want.AWAKE]
+
+
+def test_the_most_recently_active_stays_awake() -> None:
+    got = wants([w("a", S, active_ago=900), w("b", S, active_ago=320), w("c", S, active_ago=600)])
+    assert got == {"a": Want.ASLEEP, "b": Want.AWAKE, "c": Want.ASLEEP}
+
+
+@pytest.mark.parametrize(("idle", "want"), [(None, Want.AWAKE), (100, Want.AWAKE), (299, Want.AWAKE),
+                                            (300, Want.ASLEEP), (IDLE, Want.ASLEEP)])
+def test_only_idle_past_idle_after_sleeps(idle: float | None, want: Want) -> None:
+    got = plan([w("keep", S, idle=None, active_ago=1), w("x", S, idle=idle)], POLICY, Demand(0), NOW)
+    assert got["x"].want == want, got["x"]
+    if idle is not None and idle < POLICY.idle_after:
+        assert got["x"].again_after == pytest.approx(POLICY.idle_after - idle)  # look again when it crosses
+
+
+def test_manual_suspend_is_refused_with_min_active_when_it_would_break_it() -> None:
+    got = plan([w("a", S, idle=None, override=DesiredState.SUSPENDED)], POLICY, Demand(0), NOW)
+    assert got["a"].want == Want.AWAKE and got["a"].refused
+    assert "min-active 1" in got["a"].why
+    # With a peer serving it is granted, even though it is busy and no idleness asks for it.
+    got = plan([w("a", S, idle=None, override=DesiredState.SUSPENDED), w("b", S, idle=None)], POLICY,
+               Demand(0), NOW)
+    assert got["a"] == Decision(Want.ASLEEP, "manual override: suspended")
+    assert got["b"].want == Want.AWAKE
+    # A peer that is only starting does not serve: refused.
+    got = plan([w("a", S, override=DesiredState.SUSPENDED), w("b", ST)], POLICY, Demand(0), NOW)
+    assert got["a"].refused and got["a"].want == Want.AWAKE
+
+
+def test_manual_active_wins_over_idleness_and_wakes_a_sleeper() -> None:
+    got = plan([w("a", S), w("b", S, override=DesiredState.ACTIVE), w("c", A, captured_ago=50,
+                                                                       override=DesiredState.ACTIVE)],
+               POLICY, Demand(0), NOW)
+    assert got["b"] == Decision(Want.AWAKE, "manual override: active")
+    assert got["c"] == Decision(Want.AWAKE, "manual override: active")
+    assert got["a"].want == Want.ASLEEP  # b serves and stays, so a may go
+
+
+def test_unknown_demand_sleeps_nothing_and_wakes_nothing_beyond_min_active() -> None:
+    got = plan([w("a", S), w("b", S), w("c", A, captured_ago=10)], POLICY, None, NOW)
+    assert {k: d.want for k, d in got.items()} == {"a": Want.AWAKE, "b": Want.AWAKE, "c": Want.ASLEEP}
+    assert "demand unknown" in got["a"].why
+    # Below min-active it still restores min-active (that needs no demand).
+    got = plan([w("a", A, captured_ago=20), w("b", A, captured_ago=10)], POLICY, None, NOW)
+    assert got["b"] == Decision(Want.AWAKE, "min-active 1") and got["a"].want == Want.ASLEEP
+
+
+def test_demand_sets_how_many_are_needed() -> None:
+    assert needed(POLICY, None) == 1
+    assert needed(POLICY, Demand(0)) == 1
+    assert needed(POLICY, Demand(4)) == 1
+    assert needed(POLICY, Demand(4.5)) == 2
+    assert needed(POLICY, Demand(inflight=5, queued=4)) == 3
+    assert needed(replace(POLICY, min_active=3), Demand(1)) == 3
+    # Idle workers stay awake while the demand needs them.
+    got = wants([w("a", S), w("b", S), w("c", S)], demand=Demand(inflight=6))
+    assert sorted(got.values()) == [Want.ASLEEP, Want.AWAKE, Want.AWAKE]
+
+
+def test_a_deficit_calls_off_a_quiesce_first_then_wakes_the_most_recently_captured() -> None:
+    workers = [w("busy", S, idle=None), w("q", Q), w("old", A, captured_ago=100), w("new", A, captured_ago=10),
+               w("cap", C, captured_ago=50)]
+    # Need 2: the quiesce is called off, nobody is woken.
+    got = plan(workers, POLICY, Demand(8), NOW)
+    assert got["q"].want == Want.AWAKE and "capture called off" in got["q"].why
+    assert [got[n].want for n in ("old", "new", "cap")] == [Want.ASLEEP] * 3
+    # Need 3: then the most recently captured wakes.
+    got = plan(workers, POLICY, Demand(12), NOW)
+    assert [got[n].want for n in ("q", "new", "cap", "old")] == [Want.AWAKE, Want.AWAKE, Want.ASLEEP, Want.ASLEEP]
+    assert got["new"].why.startswith("demand 12 ") and "needs 3 awake" in got["new"].why, got["new"].why
+    # Need 5: all of them, a capture still under way included.
+    got = plan(workers, POLICY, Demand(20), NOW)
+    assert all(d.want == Want.AWAKE for d in got.values())
+    # No deficit: the quiesce carries on.
+    got = plan(workers, POLICY, Demand(0), NOW)
+    assert got["q"] == Decision(Want.ASLEEP, "quiescing for a capture")
+
+
+def test_a_manual_suspend_is_not_called_off_nor_woken_by_demand() -> None:
+    got = plan([w("busy", S, idle=None), w("q", Q, override=DesiredState.SUSPENDED),
+                w("s", A, captured_ago=5, override=DesiredState.SUSPENDED), w("t", A, captured_ago=50)],
+               POLICY, Demand(8), NOW)
+    assert got["q"].want == Want.ASLEEP and got["s"].want == Want.ASLEEP
+    assert got["t"].want == Want.AWAKE  # the deficit goes to a worker not held asleep by hand
+
+
+def test_broken_workers_are_left_alone_and_do_not_count() -> None:
+    got = plan([w("a", S), w("b", B)], POLICY, Demand(0), NOW)
+    assert got["b"].want == Want.LEAVE
+    assert got["a"].want == Want.AWAKE  # the broken one does not serve in its place
+
+
+def test_the_plan_is_the_same_in_any_order() -> None:
+    workers = [w("a", S, active_ago=IDLE), w("b", S, active_ago=IDLE), w("c", S, active_ago=IDLE),
+               w("d", A, captured_ago=30), w("e", A, captured_ago=30), w("f", Q), w("g", ST), w("h", B)]
+    first = plan(workers, POLICY, Demand(2), NOW)
+    rng = random.Random(7)
+    for _ in range(20):
+        shuffled = workers[:]
+        rng.shuffle(shuffled)
+        assert plan(shuffled, POLICY, Demand(2), NOW) == first
+    # Ties are broken by name: of three equally idle serving workers, "a" stays.
+    assert [n for n in "abc" if first[n].want == Want.AWAKE] == ["a"]
+    # And of two captured at the same time, "d" is woken first (need 6 of 4 awake: the quiesce, then d).
+    more = plan(workers, POLICY, Demand(21), NOW)
+    assert (more["f"].want, more["d"].want, more["e"].want) == (Want.AWAKE, Want.AWAKE, Want.ASLEEP)
