@@ -195,6 +195,37 @@ async def wait_ws(env: CtlEnv, pod: RunningPod, what: str, check: Callable[[Obj 
     return ws
 
 
+@contextlib.asynccontextmanager
+async def history(api: Kube, res: R.Resource, pod: RunningPod) -> AsyncIterator[list[Obj]]:
+    """Every version of the object of kind ``res`` named after ``pod`` (the pod, its WorkerSnapshot)
+    during the block, from a watch that starts at the version read first: a state that lasts one
+    reconcile is not missed, as it can be between polls, nor one whose object is deleted right after.
+    A deleted object's last version is in the list too."""
+    live = await api.get(res, pod.name, namespace=pod.namespace)
+    seen: list[Obj] = [live]
+
+    async def follow() -> None:
+        async for ev in api.watch(res, namespace=pod.namespace, field_selector=f"metadata.name={pod.name}",
+                                  resource_version=live["metadata"]["resourceVersion"], timeout_seconds=900):
+            if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                seen.append(ev["object"])
+    task = asyncio.create_task(follow())
+    try:
+        yield seen
+    finally:
+        early = task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    assert not early, f"the watch on {res.plural} {pod.name} ended early: its history is incomplete"
+
+
+def gate_of(pod: Obj) -> str | None:
+    """The pod's ``dynsnap.io/serving`` readiness-gate condition (None: never set)."""
+    return next((str(c.get("status")) for c in (pod.get("status") or {}).get("conditions") or []
+                 if c.get("type") == P.CONDITION_SERVING), None)
+
+
 async def events_for(api: Kube, namespace: str, name: str) -> list[Obj]:
     evs = await api.list(R.EVENTS, namespace=namespace)
     return [e for e in evs.get("items", []) if (e.get("regarding") or {}).get("name") == name]

@@ -15,6 +15,7 @@ from controllerenv import CtlEnv, Load, asleep, events_for, get_ws, policy, runn
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
@@ -39,8 +40,30 @@ def graph(tier: str) -> Any:
     return make
 
 
+def status_fields_of(ws: Obj, manager: str) -> Obj:
+    """The status fields ``manager`` owns on the WorkerSnapshot (its server-side apply record)."""
+    owned: Obj = {}
+    for m in ws["metadata"].get("managedFields") or []:
+        if m.get("manager") == manager and m.get("subresource") == "status":
+            owned.update((m.get("fieldsV1") or {}).get("f:status") or {})
+    return owned
+
+
 async def _iid(env: CtlEnv, pod: RunningPod) -> int:
-    return instance_id_from_dwm(await env.api.get(D.R.DWMS, pod.name, namespace=pod.namespace))
+    return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
+
+
+def verified_or_failing(since: str | None) -> Any:
+    """verified_after(since), and a failed verification of that wake fails the wait at once."""
+    ok = verified_after(since)
+
+    def check(ws: Obj | None) -> bool:
+        st = (ws or {}).get("status") or {}
+        v = (st.get("controller") or {}).get("verification") or {}
+        wake = (st.get("lastWake") or {}).get("id")
+        assert not (wake and wake != since and v.get("wakeId") == wake and v.get("ok") is False), v
+        return ok(ws)
+    return check
 
 
 async def _asleep_in(env: CtlEnv, role: str) -> list[RunningPod]:
@@ -69,7 +92,7 @@ async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_wit
         burst = Load(env.fe, concurrency=6, max_tokens=60)
         burst.start()
         try:
-            woken = {role: await wait_ws(env, p, "woken and verified", verified_after(before[role]), timeout=180)
+            woken = {role: await wait_ws(env, p, "woken and verified", verified_or_failing(before[role]), timeout=180)
                      for role, p in sleeping.items()}
         finally:
             await burst.stop()
@@ -97,11 +120,20 @@ async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_wit
             assert verified["status"] == "True" and verified["reason"] == "Verified", (role, verified)
             assert ws["status"]["lastWake"]["tier"] == tier and ws["status"]["lastWake"]["ok"] is True
             ident = ws["status"]["controller"]["identity"]
-            dwm = await env.api.get(D.R.DWMS, p.name, namespace=p.namespace)
+            dwm = await env.api.get(R.DWMS, p.name, namespace=p.namespace)
             assert ident["podUID"] == p.uid and ident["dwmUID"] == dwm["metadata"]["uid"]
             assert ident["instanceId"] == ids[p.name] == instance_id_from_dwm(dwm)
             reasons = {e["reason"] for e in await events_for(env.api, p.namespace, p.name)}
             assert {"Quiescing", "CaptureRequested", "WakeRequested", "Verified"} <= reasons, (role, reasons)
+            # The controller's part of the status is the controller's alone: the agent applied its status
+            # many times after the controller wrote its part, and never took any of it over.
+            agent = status_fields_of(ws, P.AGENT_FIELD_MANAGER)
+            ctl = status_fields_of(ws, P.FIELD_MANAGER)
+            assert "f:state" in agent and "f:controller" in ctl, (agent.keys(), ctl.keys())
+            assert "f:controller" not in agent, agent.keys()
+            for ctype in P.CONTROLLER_CONDITIONS:
+                key = f'k:{{"type":"{ctype}"}}'
+                assert key in ctl.get("f:conditions", {}) and key not in agent.get("f:conditions", {}), (ctype, agent)
 
         # All four serve again: requests pinned with both headers reach every decode/prefill pair.
         for d in env.graph.workers("decode"):

@@ -27,7 +27,6 @@ verified end in 504, and none after the verdict).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
@@ -39,7 +38,7 @@ from typing import Any
 
 import pytest
 import yaml
-from controllerenv import CtlEnv, Load, asleep, cond, events_for, get_ws, policy, running
+from controllerenv import CtlEnv, Load, asleep, cond, events_for, gate_of, get_ws, history, policy, running
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
@@ -134,67 +133,17 @@ def frozen(pod: RunningPod) -> Any:
                 os.kill(pid, signal.SIGCONT)
 
 
-def gate_of(pod: Obj) -> str | None:
-    return next((str(c.get("status")) for c in (pod.get("status") or {}).get("conditions") or []
-                 if c.get("type") == P.CONDITION_SERVING), None)
-
-
-@contextlib.asynccontextmanager
-async def gate_history(env: CtlEnv, pod: RunningPod) -> AsyncIterator[list[str | None]]:
-    """Every value the pod's serving gate takes during the block, from a watch on the pod (a flip
-    lasting one reconcile is not missed, as it could be between polls)."""
-    live = await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
-    seen: list[str | None] = [gate_of(live)]
-
-    async def follow() -> None:
-        async for ev in env.api.watch(R.PODS, namespace=pod.namespace, field_selector=f"metadata.name={pod.name}",
-                                      resource_version=live["metadata"]["resourceVersion"], timeout_seconds=900):
-            if ev.get("type") in ("ADDED", "MODIFIED") and (g := gate_of(ev["object"])) != seen[-1]:
-                seen.append(g)
-    task = asyncio.create_task(follow())
-    try:
-        yield seen
-    finally:
-        early = task.done()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    assert not early, "the watch on the pod ended early: its history is incomplete"
-
-
-@contextlib.asynccontextmanager
-async def ws_history(env: CtlEnv, pod: RunningPod) -> AsyncIterator[list[Obj]]:
-    """Every version of the pod's WorkerSnapshot during the block, from a watch: the verdict of a
-    restart fallback lives only moments (the pod is deleted, and its WorkerSnapshot with it)."""
-    live = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-    seen: list[Obj] = [live]
-
-    async def follow() -> None:
-        async for ev in env.api.watch(R.WORKER_SNAPSHOTS, namespace=pod.namespace,
-                                      field_selector=f"metadata.name={pod.name}",
-                                      resource_version=live["metadata"]["resourceVersion"], timeout_seconds=900):
-            if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
-                seen.append(ev["object"])
-    task = asyncio.create_task(follow())
-    try:
-        yield seen
-    finally:
-        early = task.done()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    assert not early, "the watch on the WorkerSnapshot ended early: its history is incomplete"
-
-
-async def wait_verdict(history: list[Obj], reason: str) -> Obj:
-    """The first WorkerSnapshot version whose Verified condition is False with ``reason``."""
+async def wait_verdict(wss: list[Obj], reason: str) -> Obj:
+    """The first WorkerSnapshot version with a verdict on the wake (``Verified`` True or False), which
+    must be False with ``reason`` (a wrong verdict fails at once, not at a time-out)."""
     async def found() -> Obj | None:
-        return next((ws for ws in history if verdict(reason)(ws)), None)
+        return next((ws for ws in wss if (cond(ws, "Verified") or {}).get("status") in ("True", "False")), None)
     try:
-        ws: Obj = await wait_for(f"Verified=False {reason}", found, timeout=180, interval=0.2)
+        ws: Obj = await wait_for("a verdict on the wake", found, timeout=180, interval=0.2)
     except TimeoutError:
-        print("LAST STATUS:", yaml.safe_dump((history[-1] if history else {}).get("status")))
+        print("LAST STATUS:", yaml.safe_dump((wss[-1] if wss else {}).get("status")))
         raise
+    assert verdict(reason)(ws), f"wanted Verified=False {reason}, got {cond(ws, 'Verified')}"
     return ws
 
 
@@ -276,8 +225,8 @@ async def test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves(
         peer_id = instance_id_from_dwm(await env.api.get(R.DWMS, peer.name, namespace=peer.namespace))
         reason = "PinnedRequestFailed" if case.startswith("frozen") else "DwmChanged"
         async with contextlib.AsyncExitStack() as stack:
-            gate = await stack.enter_async_context(gate_history(env, pod))
-            history = await stack.enter_async_context(ws_history(env, pod))
+            pods = await stack.enter_async_context(history(env.api, R.PODS, pod))
+            wss = await stack.enter_async_context(history(env.api, R.WORKER_SNAPSHOTS, pod))
             names = ""
             if case.startswith("frozen"):
                 stack.enter_context(frozen(pod))
@@ -290,7 +239,7 @@ async def test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves(
             load = Load(env.fe, concurrency=4, max_tokens=30)  # demand over one worker's share: wakes the sleeper
             load.start()
             try:
-                ws = await wait_verdict(history, reason)
+                ws = await wait_verdict(wss, reason)
                 decided = time.time()
                 replacement = None
                 if case == "frozen-replaced":
@@ -332,10 +281,13 @@ async def test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves(
         assert warned and f"fallback: {v['fallback']}" in warned[-1]["note"], events
 
         live = await live_pod(env, pod)
+        gate: list[str | None] = []  # the values the failed pod's gate took, in order
+        for version in pods:
+            if version["metadata"]["uid"] == pod.uid and (not gate or gate_of(version) != gate[-1]):
+                gate.append(gate_of(version))
         if case.startswith("frozen"):
             # Back into serving for the pinned requests (the frontend routes only to a ready endpoint), then out.
-            values = [g for g in gate if g is not None]  # None: the replacement pod, which has no gate
-            assert values[0] == "False" and "True" in values and values[-1] == "False", gate
+            assert gate[0] == "False" and "True" in gate and gate[-1] == "False", gate
         else:
             assert gate == ["False"], f"put back into serving although its DWM changed: {gate}"
         if on_failed_wake == "none":
