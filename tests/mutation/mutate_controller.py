@@ -1,0 +1,180 @@
+"""Mutation check of the controller's guards (issue 9; docs/TESTING.md, "Mutation checks"): each guard
+broken on purpose as an exact replacement in dynsnap/controller/ (and the agent's half of the status
+contract in dynsnap/agent/node.py), then the tests that must go red. Not collected by pytest (no
+test_ prefix). From the repository root, as root, with the environment of `./run env`:
+
+    source <(./run env | sed 's/^/export /')
+    $DYNSNAP_VENV/bin/python tests/mutation/mutate_controller.py [--list] [--all-failures] [INDEX|ID ...]
+
+The controller and the agents run as their own processes in the integration tests here (`python -m
+dynsnap controller|agent`), which import the mutated module themselves: for those rows the mutant
+stays on disk for the whole pytest run (no early restore), so do not run this beside other work in
+the same tree (or run it in a copy of the tree: `git archive HEAD | tar -x -C DIR`, then this script
+from DIR; `python -m dynsnap` imports the copy's package from its working directory). Rows whose
+tests are unit tests only restore the file as soon as pytest has collected. The cluster gets its own
+bridge and /16 (dsnmut2, 10.219.0.0/16) unless DYNSNAP_TEST_BRIDGE / DYNSNAP_TEST_CIDR say otherwise.
+tests/mutation/runner.py says how a run goes and what each outcome means.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.mutation.runner import Suite, main, mutation
+
+PLAN = "dynsnap/controller/plan.py"
+RECONCILER = "dynsnap/controller/reconciler.py"
+FRONTEND = "dynsnap/controller/frontend.py"
+NODE = "dynsnap/agent/node.py"
+
+PLAN_UNIT = "tests/unit/test_controller_plan.py::"
+FRONTEND_UNIT = "tests/unit/test_frontend_parse.py::"
+PINNED_UNIT = FRONTEND_UNIT + "test_a_pinned_answer_is_this_workers_only_when_it_names_every_pinned_id"
+FALSE = ("tests/integration/test_controller_false_wake.py::"
+         "test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves")
+FROZEN = FALSE + "[frozen-none]"
+REPLACED = FALSE + "[frozen-replaced-restart]"
+DWM_ID = FALSE + "[dwm-instance-id-none]"
+DWM_UID = FALSE + "[dwm-recreated-none]"
+DWM_TRANSPORT = FALSE + "[dwm-transport-none]"
+QUIESCE = "tests/integration/test_controller_quiesce.py::"
+SLICES_LAG = QUIESCE + "test_no_capture_while_the_controller_still_sees_the_endpoint_ready"
+FRONTEND_LAG = QUIESCE + "test_no_capture_while_the_frontend_still_routes_to_the_worker"
+DISAGG = ("tests/integration/test_controller_disagg.py::"
+          "test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_with_their_headers[suspend]")
+
+IDENTITY = ("        problem = self._identity_problem(pod, rec.identity)\n"
+            "        if problem is not None:\n"
+            "            return await self._fail(pod, ws, rec, policy, *problem)\n")
+GATE_TRUE = ("        if F.pod_condition(pod, P.CONDITION_SERVING) != \"True\":\n"
+             "            await self._gate(pod, True)\n"
+             "            return POLL\n"
+             "        elapsed = (now - v.started).total_seconds()\n")
+
+MUTATIONS = (
+    # -- verification: what counts as proof ----------------------------------------------------------
+    mutation(
+        "any-200-is-mine", "any answered pinned request counts as this worker's answer", FRONTEND,
+        "        return (self.ok and (worker_id is None or self.worker_id == worker_id)\n"
+        "                and (prefill_id is None or self.prefill_id == prefill_id))\n",
+        "        return self.ok\n",
+        tests=[PINNED_UNIT], modules=["dynsnap.controller.frontend"]),
+    mutation(
+        "decode-prefill-id-unchecked", "a decode worker's answer is not checked for the prefill worker it was "
+        "pinned with", FRONTEND,
+        "                and (prefill_id is None or self.prefill_id == prefill_id))\n",
+        "                and True)\n",
+        tests=[PINNED_UNIT], modules=["dynsnap.controller.frontend"]),
+    mutation(
+        "decode-pinned-alone", "a decode worker is pinned by its own id alone (no prefill header)", RECONCILER,
+        "            return int(iid), prefill, [P.HEADER_WORKER_INSTANCE_ID, P.HEADER_PREFILL_INSTANCE_ID] if "
+        "prefill \\\n                is not None else [P.HEADER_WORKER_INSTANCE_ID]\n",
+        "            return int(iid), None, [P.HEADER_WORKER_INSTANCE_ID]\n",
+        tests=[DISAGG]),
+    mutation(
+        "no-identity-check", "a woken worker's pod and DWM are not compared with what they were", RECONCILER,
+        "        problem = self._identity_problem(pod, rec.identity)\n",
+        "        problem = None\n",
+        tests=[DWM_ID, DWM_UID, DWM_TRANSPORT]),
+    mutation(
+        "no-transport-check", "a DWM whose generate endpoint leads to another worker passes the identity check",
+        RECONCILER,
+        "        if ident.transport is not None and transport != ident.transport:\n",
+        "        if False:\n",
+        tests=[DWM_TRANSPORT]),
+    mutation(
+        "gate-before-identity", "a woken worker is put back into serving before its identity is checked",
+        RECONCILER, IDENTITY + GATE_TRUE, GATE_TRUE + IDENTITY,
+        tests=[DWM_ID, DWM_UID]),
+    mutation(
+        "refused-round-accepted", "fewer than N answers accepted: a round that ended in a refused pinned "
+        "request counts as proof", RECONCILER,
+        "        if answered < policy.verify_requests:\n",
+        "        if answered < policy.verify_requests and not refused:\n",
+        tests=[FROZEN]),
+    mutation(
+        "fallback-delete-without-uid", "the cold-restart fallback deletes the pod by name, without the UID "
+        "precondition", RECONCILER,
+        "                await self.kube.delete(R.PODS, pod[\"metadata\"][\"name\"], "
+        "namespace=pod[\"metadata\"][\"namespace\"],\n"
+        "                                       uid=F.pod_uid(pod))\n",
+        "                await self.kube.delete(R.PODS, pod[\"metadata\"][\"name\"], "
+        "namespace=pod[\"metadata\"][\"namespace\"])\n",
+        tests=[REPLACED]),
+    # -- quiesce: each condition waited for itself ---------------------------------------------------
+    mutation(
+        "quiesce-skips-endpoint-wait", "the quiesce does not wait for the endpoint to be not ready",
+        RECONCILER,
+        "        if F.endpoint_ready(self.stores.slices, pod):\n            again = POLL\n",
+        "        if False:\n            again = POLL\n",
+        tests=[SLICES_LAG]),
+    mutation(
+        "quiesce-skips-routing-probe", "the quiesce does not ask the frontend whether it still routes there",
+        RECONCILER,
+        "            if await self._still_routed(pod, rec):\n",
+        "            if False:\n",
+        tests=[FRONTEND_LAG]),
+    # -- the planner ---------------------------------------------------------------------------------
+    mutation(
+        "plan-below-min-active", "the planner lets the serving workers drop below what is needed "
+        "(`ready - 1 >= need` -> `ready >= need`)", PLAN,
+        "        if w.phase == Phase.SERVING and ready - 1 >= need:\n",
+        "        if w.phase == Phase.SERVING and ready >= need:\n",
+        tests=[PLAN_UNIT + "test_idle_serving_workers_sleep_down_to_min_active_never_below"],
+        modules=["dynsnap.controller.plan"]),
+    mutation(
+        "plan-waking-counts-as-ready", "a worker still waking or verifying counts as serving", PLAN,
+        "    ready = sum(1 for w in awake if w.phase == Phase.SERVING)\n",
+        "    ready = len(awake)\n",
+        tests=[PLAN_UNIT + "test_a_worker_still_waking_or_verifying_does_not_count_as_serving"],
+        modules=["dynsnap.controller.plan"]),
+    mutation(
+        "plan-suspend-not-refused", "a manual suspend is granted even when it breaks min-active", PLAN,
+        "            if w.phase == Phase.SERVING and ready - 1 >= policy.min_active:\n",
+        "            if w.phase == Phase.SERVING:\n",
+        tests=[PLAN_UNIT + "test_manual_suspend_is_refused_with_min_active_when_it_would_break_it"],
+        modules=["dynsnap.controller.plan"]),
+    mutation(
+        "plan-unknown-demand-sleeps", "unknown demand (frontend not scraped) lets idle workers sleep", PLAN,
+        "        if demand is None:\n            out[w.name] = Decision(Want.AWAKE, \"demand unknown",
+        "        if False:\n            out[w.name] = Decision(Want.AWAKE, \"demand unknown",
+        tests=[PLAN_UNIT + "test_unknown_demand_sleeps_nothing_and_wakes_nothing_beyond_min_active"],
+        modules=["dynsnap.controller.plan"]),
+    mutation(
+        "plan-wakes-before-calling-off", "a deficit wakes a sleeper without first calling off a quiesce", PLAN,
+        "        elif deficit > 0 and w.override != suspended_override:\n"
+        "            out[w.name] = Decision(Want.AWAKE, f\"{len(awake)} awake of {need} needed: capture called",
+        "        elif False:\n"
+        "            out[w.name] = Decision(Want.AWAKE, f\"{len(awake)} awake of {need} needed: capture called",
+        tests=[PLAN_UNIT + "test_a_deficit_calls_off_a_quiesce_first_then_wakes_the_most_recently_captured"],
+        modules=["dynsnap.controller.plan"]),
+    mutation(
+        "plan-wakes-least-recent", "a deficit wakes the least recently captured sleeper first", PLAN,
+        "                                   -(w.last_capture.timestamp() if w.last_capture else 0.0), w.name))\n",
+        "                                   (w.last_capture.timestamp() if w.last_capture else 0.0), w.name))\n",
+        tests=[PLAN_UNIT + "test_a_deficit_calls_off_a_quiesce_first_then_wakes_the_most_recently_captured"],
+        modules=["dynsnap.controller.plan"]),
+    # -- the status contract between agent and controller --------------------------------------------
+    mutation(
+        "agent-applies-controller-conditions", "the agent's status apply keeps the controller's conditions "
+        "(Verified, PolicyValid)", NODE,
+        "    wire[\"conditions\"] = [c for c in wire.get(\"conditions\", []) if c[\"type\"] not in "
+        "P.CONTROLLER_CONDITIONS]\n",
+        "    wire[\"conditions\"] = list(wire.get(\"conditions\", []))\n",
+        tests=[DISAGG]),
+)
+
+SUITE = Suite(
+    name="controller",
+    doc="docs/TESTING.md",
+    mutations=MUTATIONS,
+    default_env={"DYNSNAP_TEST_BRIDGE": "dsnmut2", "DYNSNAP_TEST_CIDR": "10.219.0.0/16",
+                 "DYNSNAP_KEEP_LOGS": "{work}/test-logs"},  # a killed mutant's logs stay out of test-logs/
+    timeout=1800,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(SUITE))
