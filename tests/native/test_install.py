@@ -1,5 +1,6 @@
 """`make -C native install` puts both programs on a bin path, with the cuda-checkpoint link
-CRIU's CUDA plugin looks for (it greps `-h` for `--action`)."""
+CRIU's CUDA plugin looks for (it greps `-h` for `--action`), and the huge-page library next to the
+entrypoint, where the entrypoint looks for it by default."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def test_make_install_places_both_programs_and_the_link(tmp_path: Path) -> None:
     for name in ("dynsnap-cuda", "dynsnap-entrypoint"):
         assert os.access(bindir / name, os.X_OK), name
     assert os.readlink(bindir / "cuda-checkpoint") == "dynsnap-cuda"
+    assert (bindir / "libdynsnap-thp.so").is_file()
     out = subprocess.run([str(bindir / "cuda-checkpoint"), "-h"], capture_output=True, text=True, timeout=10)
     assert "--action" in out.stdout + out.stderr
     usage = subprocess.run([str(bindir / "dynsnap-entrypoint"), "--help"], capture_output=True, text=True, timeout=10)
