@@ -31,22 +31,50 @@
  *               nskey 0                          key state by (pid namespace,
  *                                                pid in it): survives an
  *                                                in-place CRIU restore
+ *               copy <pid> <MiB>                 the host copy, below
+ *
+ * The host copy. At a checkpoint the real driver copies the process's GPU
+ * memory into an anonymous mapping it makes INSIDE that process; driver 580
+ * makes it with mmap(MAP_PRIVATE|MAP_ANONYMOUS|MAP_POPULATE) through libc's
+ * dynamic mmap (seen on the H200, docs/BENCHMARKS.md), which is what
+ * native/thp/libdynsnap-thp.so takes over. With "copy <pid> <MiB>" in control,
+ * a checkpoint of that pid (the host pid the CLI is given) does the same: the
+ * CLI queues the signal COPY_SIG to the pid, and this library, loaded in the
+ * process (LD_PRELOAD), maps MiB MiB that way from the signal handler and
+ * fills it with the "device" pattern (word i = COPY_WORD(i)); a restore
+ * signals again, and the process checks every word, unmaps the copy and
+ * answers. The process answers in $DYNSNAP_STUB_DIR/copy-<host pid> (as its
+ * own environment names the directory: give it the CLI's) with one line
+ * "save <addr hex> <bytes> <result>" or "restore <addr hex> <bytes> <result>",
+ * result one of ok, bad (a word differs), none (no copy to restore), busy (a
+ * copy already mapped), failed (mmap failed). Anything but ok, or no answer
+ * within 30 s, fails the call with CUDA_ERROR_UNKNOWN and leaves the state as
+ * it was. The log gets "copy pid=<pid> op=<save|restore> addr=<hex>
+ * bytes=<n> result=<result> rc=<code>". Only a pid named in a copy line is
+ * ever signalled (never "*"): the CLI tests use made-up pids, and a process
+ * that has not loaded this library would die of the signal.
  */
 #define _GNU_SOURCE
 #include <cuda.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "stub_files.h"
 
 #define MAXP 1024
+#define COPY_SIG (SIGRTMIN + 8)
+#define COPY_WORD(i) (0xC0FFEE0000000000ULL | (unsigned long long)(i))
+#define COPY_WAIT_TICKS 600 /* of 50 ms: 30 s */
 
 static __thread int cur_dev = -1;
 
@@ -208,9 +236,157 @@ static void hang(const char *fn, int pid, unsigned int timeout_ms, int *timed_ou
 	usleep((useconds_t)ms * 1000u);
 }
 
+/* ---- the host copy (see the header), the process's side: signal handler only ---- */
+
+static char copy_dir[4096]; /* $DYNSNAP_STUB_DIR at load: no getenv in the handler */
+static void *copy_addr;
+static size_t copy_len;
+
+static size_t put_str(char *b, size_t n, const char *s)
+{
+	while (*s)
+		b[n++] = *s++;
+	return n;
+}
+
+static size_t put_num(char *b, size_t n, unsigned long long v, unsigned base)
+{
+	char tmp[24];
+	int k = 0;
+
+	do {
+		tmp[k++] = "0123456789abcdef"[v % base];
+		v /= base;
+	} while (v);
+	while (k)
+		b[n++] = tmp[--k];
+	return n;
+}
+
+/* Async-signal-safe: system calls and plain loops only (the handler may interrupt malloc). */
+static void copy_signal(int sig, siginfo_t *si, void *uc)
+{
+	uintptr_t v = (uintptr_t)si->si_value.sival_ptr;
+	int saved = errno, restore = (int)(v & 1), key = (int)((v >> 1) & 0x7fffff), fd;
+	size_t len = (size_t)(v >> 24) << 20, n = 0, line_len;
+	const char *result = "ok";
+	char ack[4200], tmp[4300], line[128];
+	unsigned long long *w;
+
+	(void)sig;
+	(void)uc;
+	if (si->si_code != SI_QUEUE)
+		return;
+	if (!restore) {
+		if (copy_addr) {
+			result = "busy";
+		} else {
+			/* the flags driver 580 maps its copy with, through the dynamic symbol */
+			void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+				       -1, 0);
+			if (p == MAP_FAILED) {
+				result = "failed";
+			} else {
+				w = p;
+				for (size_t i = 0; i < len / sizeof(*w); i++)
+					w[i] = COPY_WORD(i);
+				copy_addr = p;
+				copy_len = len;
+			}
+		}
+	} else if (!copy_addr) {
+		result = "none";
+	} else {
+		w = copy_addr;
+		for (size_t i = 0; i < copy_len / sizeof(*w); i++)
+			if (w[i] != COPY_WORD(i)) {
+				result = "bad";
+				break;
+			}
+		munmap(copy_addr, copy_len);
+	}
+	n = put_str(line, n, restore ? "restore " : "save ");
+	n = put_num(line, n, (uintptr_t)copy_addr, 16);
+	n = put_str(line, n, " ");
+	n = put_num(line, n, copy_len, 10);
+	n = put_str(line, n, " ");
+	n = put_str(line, n, result);
+	line[n++] = '\n';
+	line_len = n;
+	if (restore && copy_addr) {
+		copy_addr = NULL;
+		copy_len = 0;
+	}
+	n = put_str(ack, 0, copy_dir);
+	n = put_str(ack, n, "/copy-");
+	n = put_num(ack, n, (unsigned)key, 10);
+	ack[n] = '\0';
+	n = put_str(tmp, put_str(tmp, 0, ack), ".tmp");
+	tmp[n] = '\0';
+	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	if (fd >= 0) {
+		ssize_t w_n = write(fd, line, line_len);
+		if (close(fd) == 0 && w_n == (ssize_t)line_len)
+			rename(tmp, ack);
+	}
+	errno = saved;
+}
+
+/* In every process that loads this library; never over a handler the process set itself. */
+__attribute__((constructor)) static void copy_init(void)
+{
+	struct sigaction sa, old;
+
+	snprintf(copy_dir, sizeof(copy_dir), "%s", dir());
+	if (sigaction(COPY_SIG, NULL, &old) != 0 || old.sa_handler != SIG_DFL)
+		return;
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_sigaction = copy_signal;
+	sa.sa_flags = SA_SIGINFO | SA_RESTART;
+	sigemptyset(&sa.sa_mask);
+	sigaction(COPY_SIG, &sa, NULL);
+}
+
+/* The CLI's side: ask the process for its copy (or its restore) and wait for the answer. */
+static CUresult host_copy(int pid, int restore)
+{
+	long long mib;
+	char ack[4200], line[256] = "", what[16] = "?", result[16] = "noanswer";
+	unsigned long long addr = 0, bytes = 0;
+	union sigval v;
+	CUresult rc = CUDA_ERROR_UNKNOWN;
+
+	if (!control_keyed("copy", pid, &mib, 1) || mib <= 0)
+		return CUDA_SUCCESS;
+	snprintf(ack, sizeof(ack), "%s/copy-%d", dir(), pid);
+	unlink(ack);
+	v.sival_ptr = (void *)(((uintptr_t)mib << 24) | ((uintptr_t)pid << 1) | (uintptr_t)restore);
+	if (sigqueue(pid, COPY_SIG, v) != 0) {
+		snprintf(result, sizeof(result), "errno%d", errno);
+	} else {
+		for (int i = 0; i < COPY_WAIT_TICKS; i++) {
+			FILE *f = fopen(ack, "r");
+
+			if (f) {
+				if (!fgets(line, sizeof(line), f))
+					line[0] = '\0';
+				fclose(f);
+			}
+			if (strchr(line, '\n') && sscanf(line, "%15s %llx %llu %15s", what, &addr, &bytes, result) == 4)
+				break;
+			usleep(50000);
+		}
+	}
+	if (!strcmp(result, "ok"))
+		rc = CUDA_SUCCESS;
+	logline("copy pid=%d op=%s addr=0x%llx bytes=%llu result=%s rc=%d", pid, restore ? "restore" : "save",
+		addr, bytes, result, (int)rc);
+	return rc;
+}
+
 /* One transition: check the injected faults, then the state machine. */
 static CUresult transition(const char *fn, int pid, int from, int to, unsigned int timeout_ms,
-			   const char *extra, int mem_sign, int mem_target)
+			   const char *extra, int mem_sign, int mem_target, int copy_op)
 {
 	int timed_out, fd;
 	long long code;
@@ -229,6 +405,8 @@ static CUresult transition(const char *fn, int pid, int from, int to, unsigned i
 		rc = CUDA_ERROR_NOT_FOUND;
 	else if (read_state(pid) != from)
 		rc = CUDA_ERROR_ILLEGAL_STATE;
+	if (rc == CUDA_SUCCESS && copy_op >= 0)
+		rc = host_copy(pid, copy_op);
 	if (rc == CUDA_SUCCESS) {
 		write_state(pid, to);
 		if (mem_sign)
@@ -245,14 +423,14 @@ static CUresult transition(const char *fn, int pid, int from, int to, unsigned i
 CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 {
 	return transition("cuCheckpointProcessLock", pid, CU_PROCESS_STATE_RUNNING,
-			  CU_PROCESS_STATE_LOCKED, args ? args->timeoutMs : 0, "", 0, -1);
+			  CU_PROCESS_STATE_LOCKED, args ? args->timeoutMs : 0, "", 0, -1, -1);
 }
 
 CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
 {
 	(void)args;
 	return transition("cuCheckpointProcessCheckpoint", pid, CU_PROCESS_STATE_LOCKED,
-			  CU_PROCESS_STATE_CHECKPOINTED, 0, "", -1, -1);
+			  CU_PROCESS_STATE_CHECKPOINTED, 0, "", -1, -1, 0);
 }
 
 CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
@@ -299,14 +477,14 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 		}
 	}
 	return transition("cuCheckpointProcessRestore", pid, CU_PROCESS_STATE_CHECKPOINTED,
-			  CU_PROCESS_STATE_LOCKED, 0, extra, +1, target);
+			  CU_PROCESS_STATE_LOCKED, 0, extra, +1, target, 1);
 }
 
 CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 {
 	(void)args;
 	return transition("cuCheckpointProcessUnlock", pid, CU_PROCESS_STATE_LOCKED,
-			  CU_PROCESS_STATE_RUNNING, 0, "", 0, -1);
+			  CU_PROCESS_STATE_RUNNING, 0, "", 0, -1, -1);
 }
 
 CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
