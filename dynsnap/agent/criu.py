@@ -2,11 +2,14 @@
 
 Layer: ``dynsnap.agent``. The flags are the ones proven here on CRIU 4.2.1, kernel 6.18.
 
-CRIU runs through ``nsenter -t <pod process> -p -m -n``: in the pod's pid, mount and network
-namespaces, so it sees the pod's ``/proc`` and pids, nothing namespace-level is dumped or
-recreated, and a restore puts the tree back into the *same* namespaces at the same
-in-namespace pids. With ``--restore-detached`` CRIU exits after the restore and the restored
-root is reparented to the namespace's PID 1 (dynsnap-entrypoint, a subreaper).
+CRIU runs through ``nsenter -t <pod process> -p -m -n -i -u``: in the pod's pid, mount, network,
+IPC and UTS namespaces, so it sees the pod's ``/proc`` and pids, nothing namespace-level is dumped
+or recreated, and a restore puts the tree back into the *same* namespaces at the same
+in-namespace pids. (A namespace of the worker's that CRIU is not in is one CRIU dumps and, on
+restore, makes anew: an agent pod has IPC and UTS namespaces of its own, so without -i -u a woken
+worker would land in a new IPC namespace, apart from the rest of its pod.) With
+``--restore-detached`` CRIU exits after the restore and the restored root is reparented to the
+namespace's PID 1 (dynsnap-entrypoint, a subreaper).
 
 - ``pid`` is the in-namespace pid of the tree root (CRIU names images by in-namespace pid);
   never the namespace's PID 1. The entrypoint ``setsid``s the worker, so no ``--shell-job``.
@@ -68,7 +71,8 @@ class NamespaceTarget:
     net: bool = True
 
     def nsenter_argv(self) -> list[str]:
-        return [find_tool("nsenter"), "-t", str(self.host_pid), "-p", "-m", *(["-n"] if self.net else []), "--"]
+        return [find_tool("nsenter"), "-t", str(self.host_pid), "-p", "-m", *(["-n"] if self.net else []),
+                "-i", "-u", "--"]
 
 
 @dataclass(frozen=True)
