@@ -63,8 +63,8 @@ MUTATIONS = (
         "        return self.ok\n",
         tests=[PINNED_UNIT], modules=["dynsnap.controller.frontend"]),
     mutation(
-        "decode-prefill-id-unchecked", "a decode worker's answer is not checked for the prefill worker it was "
-        "pinned with", FRONTEND,
+        "prefill-id-unchecked", "the prefill id an answer names is not checked (a prefill worker's own; the one "
+        "a decode worker was pinned with)", FRONTEND,
         "                and (prefill_id is None or self.prefill_id == prefill_id))\n",
         "                and True)\n",
         tests=[PINNED_UNIT], modules=["dynsnap.controller.frontend"]),
