@@ -2,7 +2,11 @@
 
 - demand: ``/metrics`` -> ``dynamo_frontend_inflight_requests`` and ``dynamo_frontend_queued_requests``
   summed over the models it serves (gauges; DESIGN.md section 3.1: the controller scrapes only
-  frontends, the agents scrape their own workers);
+  frontends, the agents scrape their own workers). Every opted-in graph's frontend is scraped every
+  interval, so this GET is the controller's most frequent act: it goes over one kept-alive HTTP/1.1
+  connection per frontend (:class:`MetricsScraper`), not through httpx, whose shared pool scans every
+  pooled connection per request and reconnected across hundreds of frontends (docs/BENCHMARKS.md,
+  bench/scale: the scrape was a third of the controller's CPU at 50 graphs);
 - the models it serves (``/v1/models``);
 - a chat completion pinned to one worker (``x-dynamo-worker-instance-id``, decimal; a prefill worker
   ``x-dynamo-prefill-instance-id``), asking ``nvext.extra_fields: ["worker_id"]`` so the answer says
@@ -15,8 +19,11 @@ Layer: ``dynsnap.controller``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -93,14 +100,149 @@ def pin_headers(*, worker_id: int | None, prefill_id: int | None) -> dict[str, s
     return headers
 
 
+class ScrapeError(Exception):
+    """One GET could not be done (connect, send, a malformed or oversized answer, a timeout)."""
+
+
+@dataclass
+class _Conn:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    used: float
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class MetricsScraper:
+    """``GET`` of a small page (a frontend's ``/metrics``) over one kept-alive HTTP/1.1 connection per
+    frontend, one request at a time on it: a scrape costs a write and a read, no pool to search, no
+    connect. A connection the frontend closed while it sat idle is redialled once at once (that is
+    no failure of the frontend); connections unused for ``idle_close`` seconds (a frontend gone or no
+    longer scraped) are closed. Answers: ``Content-Length``, chunked, or up to the close; at most
+    ``max_bytes``; the whole exchange within ``timeout``."""
+
+    def __init__(self, *, timeout: float, max_bytes: int = 8 << 20, idle_close: float = 60.0) -> None:
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self.idle_close = idle_close
+        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._swept = time.monotonic()
+
+    async def get(self, url: str) -> tuple[int, str]:
+        """(HTTP status, body) of ``GET url`` (``http://host:port/path``); ScrapeError when not answered."""
+        u = urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ScrapeError(f"not an http:// URL: {url}")
+        key = (u.hostname, u.port or 80)
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        request = (f"GET {target} HTTP/1.1\r\nHost: {u.netloc}\r\nAccept: text/plain\r\n"
+                   "User-Agent: dynsnap-controller\r\n\r\n").encode()
+        self._sweep()
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            conn = self._conns.pop(key, None)
+            for fresh in ((False, True) if conn is not None else (True,)):
+                try:
+                    if fresh:
+                        reader, writer = await asyncio.wait_for(asyncio.open_connection(*key), self.timeout)
+                        conn = _Conn(reader, writer, time.monotonic())
+                    assert conn is not None
+                    status, body, keep = await asyncio.wait_for(self._exchange(conn, request), self.timeout)
+                except (OSError, TimeoutError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                        ValueError, ScrapeError) as e:
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    if not fresh and not isinstance(e, TimeoutError):
+                        continue  # a kept-alive connection the frontend had closed: dial it again once
+                    raise ScrapeError(f"{type(e).__name__}: {e}") from e
+                conn.used = time.monotonic()
+                if keep:
+                    self._conns[key] = conn
+                else:
+                    conn.close()
+                return status, body
+        raise ScrapeError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _exchange(self, conn: _Conn, request: bytes) -> tuple[int, str, bool]:
+        conn.writer.write(request)
+        await conn.writer.drain()
+        head = await conn.reader.readuntil(b"\r\n\r\n")  # the reader's 64 KiB limit bounds it
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise ScrapeError(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
+        status = int(parts[1])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        connection = headers.get("connection", "").lower()
+        keep = connection != "close" if parts[0] == "HTTP/1.1" else connection == "keep-alive"
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            body = await self._chunked(conn.reader)
+        elif "content-length" in headers:
+            n = int(headers["content-length"])
+            if not 0 <= n <= self.max_bytes:
+                raise ScrapeError(f"Content-Length {n} is over {self.max_bytes} bytes")
+            body = await conn.reader.readexactly(n)
+        else:  # the body runs to the close
+            body = await conn.reader.read(self.max_bytes + 1)
+            while len(body) <= self.max_bytes and (more := await conn.reader.read(self.max_bytes + 1 - len(body))):
+                body += more
+            if len(body) > self.max_bytes:
+                raise ScrapeError(f"answer over {self.max_bytes} bytes")
+            keep = False
+        return status, body.decode("utf-8", errors="replace"), keep
+
+    async def _chunked(self, reader: asyncio.StreamReader) -> bytes:
+        out = bytearray()
+        for _ in range(1 + self.max_bytes):  # each chunk is at least one byte: a bound, never reached
+            size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0].strip(), 16)
+            if size == 0:
+                while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, bounded by the reader's limit
+                    pass
+                return bytes(out)
+            if len(out) + size > self.max_bytes:
+                raise ScrapeError(f"answer over {self.max_bytes} bytes")
+            out += await reader.readexactly(size)
+            if await reader.readexactly(2) != b"\r\n":
+                raise ScrapeError("malformed chunk")
+        raise ScrapeError("too many chunks")  # pragma: no cover
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._swept < self.idle_close / 2:
+            return
+        self._swept = now
+        for key, conn in list(self._conns.items()):
+            if now - conn.used > self.idle_close:
+                conn.close()
+                del self._conns[key]
+        for key in [k for k, lock in self._locks.items() if k not in self._conns and not lock.locked()]:
+            del self._locks[key]
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+
 class Frontend:
-    """One client for every frontend the controller talks to (connection pool shared)."""
+    """One client for every frontend the controller talks to: httpx (connection pool shared) for
+    the rare requests (models, pinned requests), :class:`MetricsScraper` for the demand scrape."""
 
     def __init__(self, *, timeout: float = 10.0, attempts: int = 3) -> None:
         self.http = httpx.AsyncClient(timeout=timeout, trust_env=False)
+        self.scraper = MetricsScraper(timeout=timeout)
         self.attempts = attempts
 
     async def close(self) -> None:
+        await self.scraper.close()
         await self.http.aclose()
 
     async def _get(self, url: str) -> httpx.Response:
@@ -114,10 +256,19 @@ class Frontend:
         raise FrontendError(f"GET {url}: {type(last).__name__}: {last}")
 
     async def demand(self, base: str) -> Demand:
-        r = await self._get(f"{base}/metrics")
-        if r.status_code != 200:
-            raise FrontendError(f"GET {base}/metrics: HTTP {r.status_code}")
-        return parse_demand(r.text)
+        url = f"{base}/metrics"
+        last: ScrapeError | None = None
+        for i in range(self.attempts):
+            try:
+                status, text = await self.scraper.get(url)
+            except ScrapeError as e:
+                last = e
+                await asyncio.sleep(0.1 * (2 ** i))
+                continue
+            if status != 200:
+                raise FrontendError(f"GET {url}: HTTP {status}")
+            return parse_demand(text)
+        raise FrontendError(f"GET {url}: {last}")
 
     async def models(self, base: str) -> list[str]:
         r = await self._get(f"{base}/v1/models")
