@@ -90,6 +90,8 @@ class Reconciler:
     demand: dict[str, Demand | None] = field(default_factory=dict)  # "ns/dgd" -> frontend demand
     models: dict[str, str] = field(default_factory=dict)  # "ns/dgd" -> model name
     _reported: dict[str, str] = field(default_factory=dict)  # what was last said as an Event, per subject
+    # "ns/name" -> (resourceVersion, parsed): each WorkerSnapshot parsed once per version for planning
+    _parsed: dict[str, tuple[str, WorkerSnapshot | None]] = field(default_factory=dict)
 
     # -- entry ------------------------------------------------------------------------------------
 
@@ -157,18 +159,40 @@ class Reconciler:
                 if F.component_of(p) == component and F.is_worker_pod(p) and F.opted_in(p)
                 and not p["metadata"].get("deletionTimestamp")]
 
+    def peer_ws(self, ns: str, name: str) -> WorkerSnapshot | None:
+        """A worker's WorkerSnapshot as the planner reads it, parsed once per resourceVersion: every
+        reconcile of a component's worker plans the whole component, and parsing was most of the cost
+        (docs/BENCHMARKS.md, bench/scale). Shared and read-only: a reconcile that acts on its own worker
+        parses that one afresh (it edits the records it writes back)."""
+        key = f"{ns}/{name}"
+        obj = self.stores.wss.get(ns, name)
+        if obj is None:
+            self._parsed.pop(key, None)
+            return None
+        rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        hit = self._parsed.get(key)
+        if hit is not None and rv and hit[0] == rv:
+            return hit[1]
+        if len(self._parsed) > 2 * len(self.stores.wss) + 64:  # WorkerSnapshots gone since: drop theirs
+            self._parsed = {k: v for k, v in self._parsed.items() if k in self.stores.wss}
+        ws = F.parse_ws(obj)
+        self._parsed[key] = (rv, ws)
+        return ws
+
+    def view_of(self, pod: Obj) -> WorkerView:
+        """The worker as the planner sees it."""
+        meta = pod["metadata"]
+        ws = self.peer_ws(meta["namespace"], meta["name"])
+        phase = F.phase_of(pod, ws, F.endpoint_ready(self.stores.slices, pod))
+        idle = ws.status.idle if ws else None
+        cap = ws.status.last_capture if ws else None
+        override, _ = parse_override(F.annotations_of(pod).get(P.ANN_DESIRED_STATE))
+        return WorkerView(name=meta["name"], phase=phase, idle_since=idle.idle_since if idle else None,
+                          last_activity=idle.last_activity if idle else None,
+                          last_capture=cap.started if cap else None, override=override)
+
     def _plan(self, ns: str, dgd: str, component: str, policy: Policy) -> dict[str, Decision]:
-        views = []
-        for p in self.component_pods(ns, dgd, component):
-            ws = F.parse_ws(self.stores.wss.get(ns, p["metadata"]["name"]))
-            phase = F.phase_of(p, ws, F.endpoint_ready(self.stores.slices, p))
-            idle = ws.status.idle if ws else None
-            cap = ws.status.last_capture if ws else None
-            override, _ = parse_override(F.annotations_of(p).get(P.ANN_DESIRED_STATE))
-            views.append(WorkerView(name=p["metadata"]["name"], phase=phase,
-                                    idle_since=idle.idle_since if idle else None,
-                                    last_activity=idle.last_activity if idle else None,
-                                    last_capture=cap.started if cap else None, override=override))
+        views = [self.view_of(p) for p in self.component_pods(ns, dgd, component)]
         return plan(views, policy, self.demand.get(f"{ns}/{dgd}"), utcnow())
 
     # -- awake ------------------------------------------------------------------------------------
