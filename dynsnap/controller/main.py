@@ -2,10 +2,13 @@
 and WorkerSnapshots; a work queue of worker pods drained by the reconciler; a loop that scrapes
 each opted-in graph's frontend for demand and requeues the graph's workers when it changes.
 
-Any change to a worker, its WorkerSnapshot, DWM or endpoint requeues every worker of its component
-(the plan is per component, so a peer's change can change what this one should be); a graph's
-change requeues all its workers. Nothing is polled while nothing changes, apart from the frontend
-scrape (one GET per opted-in graph per interval) and the Lease renewals.
+Any change to a worker, its WorkerSnapshot, DWM or endpoint requeues that worker, and every worker
+of its component when it changed what the planner sees of the worker (its phase, idle facts, last
+capture, override: the plan is per component, so only such a change can change what a peer should
+be; the controller's own status writes mostly do not, and fanning each out to the whole component
+made most of its reconciles, docs/BENCHMARKS.md); a graph's change requeues all its workers. Nothing
+is polled while nothing changes, apart from the frontend scrape (one GET per opted-in graph per
+interval) and the Lease renewals.
 
 Layer: ``dynsnap.controller``.
 """
@@ -22,14 +25,14 @@ from typing import Any
 
 from dynsnap.controller import fleet as F
 from dynsnap.controller.frontend import Frontend, FrontendError
-from dynsnap.controller.plan import Demand, needed
+from dynsnap.controller.plan import Demand, WorkerView, needed
 from dynsnap.controller.reconciler import Hooks, Reconciler, Stores
 from dynsnap.controller.settings import ControllerSettings
 from dynsnap.k8s.client import Kube
 from dynsnap.k8s.events import EventRecorder
 from dynsnap.k8s.informer import Informer
 from dynsnap.k8s.leases import Leases
-from dynsnap.k8s.store import label
+from dynsnap.k8s.store import DELETED, MODIFIED, label
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.policy import parse_policy
@@ -81,6 +84,7 @@ class Controller:
                                      hooks=hooks or Hooks(), metrics=self.metrics,
                                      stores=Stores(dgds=self.dgds.store, pods=self.pods.store, dwms=self.dwms.store,
                                                    slices=self.slices.store, wss=self.wss.store))
+        self._views: dict[str, WorkerView] = {}  # "ns/pod" -> the planner's view of it when last seen
         self.pods.add_handler(self._on_pod)
         self.wss.add_handler(self._on_ws)
         self.dwms.add_handler(self._on_named)
@@ -129,17 +133,28 @@ class Controller:
             if F.is_worker_pod(p):
                 self.queue.add(f"{p['metadata']['namespace']}/{p['metadata']['name']}")
 
+    def _touched(self, pod: Obj, *, always: bool = False) -> None:
+        """A worker's pod, WorkerSnapshot or endpoint changed: reconcile it, and its whole component
+        when the planner's view of it changed (or ``always``: it came or went)."""
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        self.queue.add(key)
+        view = self.reconciler.view_of(pod)
+        if always or self._views.get(key) != view:
+            self._views[key] = view
+            self._enqueue_component(pod)
+
     def _on_pod(self, typ: str, pod: Obj) -> None:
         if F.is_worker_pod(pod):
-            self.queue.add(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
-            self._enqueue_component(pod)
+            self._touched(pod, always=typ != MODIFIED)
+            if typ == DELETED:
+                self._views.pop(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}", None)
         elif (key := F.dgd_key(pod)) is not None:
             self._enqueue_graph(key)  # a frontend came or went: verification and demand depend on it
 
     def _on_ws(self, typ: str, ws: Obj) -> None:
         pod = self.pods.store.get(ws["metadata"].get("namespace"), ws["metadata"]["name"])
         if pod is not None:
-            self._enqueue_component(pod)
+            self._touched(pod, always=typ != MODIFIED)
 
     def _on_named(self, typ: str, obj: Obj) -> None:
         pod = self.pods.store.get(obj["metadata"].get("namespace"), obj["metadata"]["name"])
@@ -149,7 +164,8 @@ class Controller:
     def _on_slice(self, typ: str, s: Obj) -> None:
         for uid in F.endpoint_targets(s):
             for pod in self.pods.store.by_index("uid", uid):
-                self._enqueue_component(pod)
+                if F.is_worker_pod(pod):
+                    self._touched(pod, always=typ != MODIFIED)
 
     def _on_dgd(self, typ: str, dgd: Obj) -> None:
         self._enqueue_graph(f"{dgd['metadata'].get('namespace')}/{dgd['metadata']['name']}")
