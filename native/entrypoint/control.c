@@ -77,6 +77,11 @@ int control_write(const struct ep *ep)
 	json_str(buf, sizeof(buf), ep->seccomp_status);
 	json_add(buf, sizeof(buf), ",\"log_file\":");
 	json_str(buf, sizeof(buf), ep->log_path);
+	json_add(buf, sizeof(buf), ",\"thp_preload\":");
+	if (ep->thp_preload[0])
+		json_str(buf, sizeof(buf), ep->thp_preload);
+	else
+		json_add(buf, sizeof(buf), "null");
 	json_add(buf, sizeof(buf), ",\"started\":%lld.%03lld,\"updated\":%lld.%03lld}\n",
 		 ep->started_ms / 1000, ep->started_ms % 1000, upd / 1000, upd % 1000);
 

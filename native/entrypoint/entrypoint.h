@@ -8,6 +8,11 @@
 
 #include "dynsnap_protocol.h"
 
+/* The huge-page library (native/thp/) looked for next to the entrypoint's own binary, and the
+ * environment variable that sets or turns off the preload like the flags do. */
+#define THP_LIBRARY "libdynsnap-thp.so"
+#define THP_PRELOAD_ENV "DYNSNAP_THP_PRELOAD"
+
 enum ep_state { ST_ACTIVE, ST_SUSPENDING, ST_SUSPENDED, ST_SNAPSHOTTED, ST_RESTORING, ST_COUNT };
 
 struct ep {
@@ -18,6 +23,8 @@ struct ep {
 	int probe_port;
 	int system_port;
 	bool seccomp;
+	/* libdynsnap-thp.so, prepended to the worker's LD_PRELOAD; empty: not preloaded */
+	char thp_preload[PATH_MAX];
 	char **argv; /* worker command */
 
 	/* what the control file reports */

@@ -1,6 +1,7 @@
 """Mutation check of dynsnap-entrypoint (docs/ENTRYPOINT.md, "Mutation check"): each row of the
-doc's table, as an exact replacement in native/entrypoint/*.c or the shared header, built with
-`make -C native entrypoint` into a private build directory, then the tests that must go red.
+doc's table, as an exact replacement in native/entrypoint/*.c, the shared header or the huge-page
+library it preloads (native/thp/dynsnap-thp.c), built with `make -C native entrypoint thp` into a
+private build directory, then the tests that must go red.
 Not collected by pytest (no test_ prefix). From the repository root, as root (the tests unshare
 pid namespaces), with the dev venv's python:
 
@@ -19,12 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.mutation.runner import Suite, main, mutation
+from tests.mutation.runner import Edit, Suite, main, mutation
 
 MAIN = "native/entrypoint/main.c"
 PROBE = "native/entrypoint/probe.c"
 SECCOMP = "native/entrypoint/seccomp.c"
 HEADER = "native/include/dynsnap_protocol.h"
+THP = "native/thp/dynsnap-thp.c"
 
 E = "tests/native/test_entrypoint.py::"
 PID_RANGE = E + "test_pid_range_is_reserved_before_anything_starts"
@@ -45,6 +47,14 @@ BAD_REQUESTS = E + "test_bad_state_requests_are_refused_and_acknowledged"
 BAD_ARGS = E + "test_bad_arguments_are_a_usage_error"
 LEFT_REQUEST = E + "test_a_request_left_by_a_previous_container_is_ignored"
 PROTOCOL = "tests/unit/test_protocol_native.py"
+PRELOAD_FIRST = E + "test_the_worker_preloads_the_library_first_and_keeps_its_own_preloads"
+PRELOAD_OFF = E + "test_the_preload_can_be_turned_off"
+HOST_COPY = E + "test_a_stub_driver_checkpoint_puts_the_host_copy_on_huge_pages_only_with_the_preload"
+T = "tests/native/test_thp.py::"
+THP_LARGE = T + "test_a_large_private_populate_mapping_lands_on_huge_pages_fully_resident"
+THP_OTHERS = T + "test_other_mappings_are_left_exactly_as_asked"
+THP_FALLBACK = T + "test_a_refused_madvise_falls_back_to_the_callers_own_populate_mapping"
+THP_GLIBC = T + "test_the_library_loads_with_any_glibc"
 
 MUTATIONS = (
     mutation(
@@ -161,14 +171,69 @@ MUTATIONS = (
         '#define DYNSNAP_STATE_RESTORING "restoring"\n',
         '#define DYNSNAP_STATE_RESTORING "restoring"\n#define DYNSNAP_STATE_DRAINING "draining"\n',
         tests=[PROTOCOL]),
+    mutation(
+        "ld-preload-replaced", "the worker's LD_PRELOAD replaced by the library instead of prepended to", MAIN,
+        'if (asprintf(&v, "%s:%s", ep->thp_preload, old) < 0)',
+        'if (asprintf(&v, "%s", ep->thp_preload) < 0)',
+        # the worker no longer maps the stub driver: no GPU process, and the copy's signal kills it
+        tests=[PRELOAD_FIRST, HOST_COPY]),
+    mutation(
+        "thp-preload-not-default", "the library next to the binary not looked for (no preload by default)", MAIN,
+        'n = readlink("/proc/self/exe", self, sizeof(self) - 1);',
+        "n = -1;",
+        tests=[PRELOAD_FIRST, HOST_COPY + "[default]"]),
+    mutation(
+        "no-thp-preload-ignored", "`--no-thp-preload` ignored", MAIN,
+        "\t\t\tthp_off = true;\n",
+        "\t\t\tthp_off = false;\n",
+        tests=[PRELOAD_OFF, HOST_COPY + "[no-thp-preload]"]),
+    mutation(
+        "thp-sparse-mappings-taken", "library: mappings without MAP_POPULATE marked too", THP,
+        "(flags & MAP_ANONYMOUS) && (flags & MAP_POPULATE) &&",
+        "(flags & MAP_ANONYMOUS) &&",
+        tests=[THP_OTHERS + "[no-populate]"]),
+    mutation(
+        "thp-shared-taken", "library: shared anonymous mappings taken over", THP,
+        "return (flags & MAP_TYPE) == MAP_PRIVATE && (flags & MAP_ANONYMOUS)",
+        "return (flags & MAP_ANONYMOUS)",
+        tests=[THP_OTHERS + "[shared]"]),
+    mutation(
+        "thp-threshold-ignored", "library: the size threshold ignored", THP,
+        "(prot & PROT_WRITE) && len >= min_len;",
+        "(prot & PROT_WRITE) && len > 0;",
+        tests=[THP_OTHERS + "[below-threshold]"]),
+    mutation(
+        "thp-no-prefault", "library: MAP_POPULATE dropped and no MADV_POPULATE_WRITE after the mark", THP,
+        "madvise(p, len, MADV_HUGEPAGE) == 0 && madvise(p, len, MADV_POPULATE_WRITE) == 0",
+        "madvise(p, len, MADV_HUGEPAGE) == 0",
+        # only where nothing writes the mapping at once: the stub driver, like the real one, fills
+        # its copy right away, which faults it all in anyway
+        tests=[THP_LARGE]),
+    mutation(
+        "thp-no-fallback", "library: a failed mark or prefault keeps the unpopulated mapping", THP,
+        "q = sys_mmap(p, len, prot, (flags & ~MAP_FIXED_NOREPLACE) | MAP_FIXED, fd, off);",
+        "q = p;",
+        tests=[THP_FALLBACK]),
+    mutation(
+        "thp-errno-clobbered", "library: errno of the failed madvise left to the caller after the fallback", THP,
+        "\terrno = saved;\n\treturn q;\n",
+        "\treturn q;\n",
+        tests=[THP_FALLBACK]),
+    mutation(
+        "thp-next-mmap-by-dlsym", "library: the next mmap found with dlsym (GLIBC_2.34), not the system call", THP,
+        "\t\t\tmin_len = (size_t)v;\n\t}\n",
+        "\t\t\tmin_len = (size_t)v;\n\t}\n\tif (!dlsym(RTLD_NEXT, \"mmap\"))\n\t\tmin_len = 0;\n",
+        more=[Edit(THP, "#include <errno.h>\n", "#include <dlfcn.h>\n#include <errno.h>\n")],
+        tests=[THP_GLIBC]),
 )
 
 SUITE = Suite(
     name="dynsnap-entrypoint",
     doc="docs/ENTRYPOINT.md",
     mutations=MUTATIONS,
-    build=("make", "-s", "-C", "native", "BUILD={build}", "entrypoint"),
-    rebuild=("make", "-s", "-C", "native", "BUILD={root}/native/build", "entrypoint"),  # from the restored source
+    build=("make", "-s", "-C", "native", "BUILD={build}", "entrypoint", "thp"),
+    # from the restored source
+    rebuild=("make", "-s", "-C", "native", "BUILD={root}/native/build", "entrypoint", "thp"),
     env={"DYNSNAP_NATIVE_BIN": "{build}"},  # the tests run the private build's binary
     pytest_args=("--timeout", "180"),
     timeout=1200,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cuda_harness import CHECKPOINTED, RUNNING, Stub
 
 from dynsnap.models import protocol
 
@@ -252,8 +253,9 @@ class Sandbox:
 
 @pytest.fixture(scope="session")
 def entrypoint_bin() -> Path:
-    # only this program: the other native/ targets need toolchains these tests do not
-    subprocess.run(["make", "-s", "-C", str(ROOT / "native"), f"BUILD={BUILD}", "entrypoint"], check=True)
+    # only this program and the huge-page library it preloads by default (found next to it): the
+    # other native/ targets need toolchains these tests do not
+    subprocess.run(["make", "-s", "-C", str(ROOT / "native"), f"BUILD={BUILD}", "entrypoint", "thp"], check=True)
     return BUILD / "dynsnap-entrypoint"
 
 
@@ -285,6 +287,9 @@ def sandbox(entrypoint_bin: Path, tmp_path: Path) -> Iterator[Callable[..., Sand
     (["--control-dir", "relative", "true"], {"DYN_SYSTEM_PORT": "9090"}, "must be an absolute path"),
     (["true"], {}, "set DYN_SYSTEM_PORT or --system-port"),
     (["--probe-port", "9090", "true"], {"DYN_SYSTEM_PORT": "9090"}, "is the worker's system port"),
+    (["--thp-preload", "lib.so", "true"], {"DYN_SYSTEM_PORT": "9090"}, "--thp-preload must be an absolute path"),
+    (["true"], {"DYN_SYSTEM_PORT": "9090", "DYNSNAP_THP_PRELOAD": "lib.so"},
+     '$DYNSNAP_THP_PRELOAD must be an absolute path or "off": "lib.so"'),
 ])
 def test_bad_arguments_are_a_usage_error(entrypoint_bin: Path, args: list[str], env: dict[str, str],
                                          message: str) -> None:
@@ -300,6 +305,7 @@ def test_help(entrypoint_bin: Path) -> None:
     r = subprocess.run([str(entrypoint_bin), "--help"], capture_output=True, text=True, timeout=10)
     assert r.returncode == 0
     assert "--no-seccomp" in r.stdout
+    assert "--thp-preload PATH" in r.stdout and "--no-thp-preload" in r.stdout
 
 
 def test_binary_is_static(entrypoint_bin: Path) -> None:
@@ -612,6 +618,7 @@ def test_criu_dumps_the_worker_tree_and_restores_it_under_the_same_pid1(
     assert (ctl["state"], ctl["worker_alive"]) == ("active", True)
     restored = sb.worker_host_pid()  # a child of PID 1 again, at its old pid
     assert ns_pid(restored) == before["worker_pid"]
+    assert str(THP_LIB) in maps_paths(restored)  # the preloaded library is part of the restored tree
     sb.wait_up()
     assert json.loads(sb.get("/health")[1])["pid"] == before["worker_pid"]
     # the restored process (not a new one) keeps logging to the same file, copied to stdout
@@ -642,4 +649,141 @@ def test_without_the_filter_the_worker_keeps_an_io_uring_and_criu_cannot_dump_it
     assert dump.returncode != 0
     # a failed dump leaves the tree running; the agent puts it back in service
     assert sb.request("active")["worker_alive"] is True
+    assert sb.status("/health") == 200
+
+
+# -- the huge-page library (libdynsnap-thp.so) on the worker ------------------------------------------
+
+THP_LIB = BUILD / "libdynsnap-thp.so"
+COPY_MIB = 128  # above the library's 64 MiB threshold, as every real driver copy is
+
+
+def maps_paths(pid: int) -> set[str]:
+    return {f[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if len(f := line.split()) >= 6}
+
+
+def environ(pid: int) -> dict[str, str]:
+    items = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(kv.split("=", 1) for kv in items if "=" in kv)
+
+
+def vma(pid: int, addr: int) -> dict[str, str]:
+    """The smaps entry of the mapping that holds addr: its range, sizes and VmFlags."""
+    found: dict[str, str] | None = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if found is not None:
+                break
+            if lo <= addr < hi:
+                found = {"range": head}
+        elif found is not None:
+            key, _, value = line.partition(":")
+            found[key] = value.strip()
+    assert found is not None, f"no mapping of pid {pid} holds {addr:#x}"
+    return found
+
+
+def kib(value: str) -> int:
+    return int(value.split()[0])
+
+
+def thp_mode() -> str:
+    text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    return re.search(r"\[(\w+)\]", text).group(1)  # type: ignore[union-attr]
+
+
+def test_the_worker_preloads_the_library_first_and_keeps_its_own_preloads(
+        sandbox: Callable[..., Sandbox], stub_lib: Path) -> None:
+    # default: the library next to the entrypoint's binary; the container's LD_PRELOAD stays after it
+    sb = sandbox(["serve"], env={"LD_PRELOAD": str(stub_lib)})
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    assert environ(worker)["LD_PRELOAD"] == f"{THP_LIB}:{stub_lib}"
+    assert {str(THP_LIB), str(stub_lib)} <= maps_paths(worker)
+    assert sb.control_file()["thp_preload"] == str(THP_LIB)
+    assert f"thp preload {THP_LIB})" in sb.err()
+
+
+@pytest.mark.parametrize("off", [["--no-thp-preload"], ["--thp-preload", str(THP_LIB), "--no-thp-preload"],
+                                 "DYNSNAP_THP_PRELOAD=off"])
+def test_the_preload_can_be_turned_off(sandbox: Callable[..., Sandbox], stub_lib: Path,
+                                       off: list[str] | str) -> None:
+    env = {"LD_PRELOAD": str(stub_lib)}
+    if isinstance(off, str):
+        env.update([off.split("=", 1)])
+    sb = sandbox(["serve"], opts=off if isinstance(off, list) else [], env=env)
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    assert environ(worker)["LD_PRELOAD"] == str(stub_lib)
+    assert str(THP_LIB) not in maps_paths(worker)
+    assert sb.control_file()["thp_preload"] is None
+    assert "thp preload off)" in sb.err()
+
+
+def test_an_explicit_library_is_preloaded_and_a_missing_one_is_loud(sandbox: Callable[..., Sandbox],
+                                                                     tmp_path: Path) -> None:
+    elsewhere = tmp_path / "lib" / "libdynsnap-thp.so"  # an image that keeps it apart from the binary
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(THP_LIB.read_bytes())
+    sb = sandbox(["serve"], env={"DYNSNAP_THP_PRELOAD": str(elsewhere)})
+    sb.wait_up()
+    assert environ(sb.worker_host_pid())["LD_PRELOAD"] == str(elsewhere)  # none before: just the library
+    assert sb.control_file()["thp_preload"] == str(elsewhere)
+
+    missing = tmp_path / "nowhere" / "libdynsnap-thp.so"
+    sb = sandbox(["serve"], opts=["--thp-preload", str(missing)])
+    sb.wait_up()  # the worker still serves
+    assert "LD_PRELOAD" not in environ(sb.worker_host_pid())
+    assert sb.control_file()["thp_preload"] is None
+    assert f"WARNING: HUGE-PAGE LIBRARY NOT PRELOADED: {missing}: No such file or directory" in sb.err()
+
+
+@pytest.mark.parametrize("preload", [True, False], ids=["default", "no-thp-preload"])
+def test_a_stub_driver_checkpoint_puts_the_host_copy_on_huge_pages_only_with_the_preload(
+        sandbox: Callable[..., Sandbox], stub: Stub, stub_lib: Path, preload: bool) -> None:
+    # The worker maps the stub driver (as a GPU worker maps libcuda); at a checkpoint the stub maps
+    # its host copy inside the worker the way driver 580 does, MAP_PRIVATE|MAP_ANONYMOUS|MAP_POPULATE
+    # through libc's mmap, and fills it; at the restore it checks every word and unmaps it.
+    sb = sandbox(["serve"], opts=[] if preload else ["--no-thp-preload"],
+                 env={"LD_PRELOAD": str(stub_lib), "DYNSNAP_STUB_DIR": str(stub.dir)})
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    assert (str(THP_LIB) in maps_paths(worker)) is preload
+    stub.control(f"copy {worker} {COPY_MIB}")
+
+    save = stub.run("--action", "save", "--pid", str(worker), "--skip-mem")
+    assert save.rc == 0, save.err
+    assert stub.state(worker) == CHECKPOINTED
+    (line,) = [x for x in stub.log() if x.startswith("copy ")]
+    m = re.fullmatch(rf"copy pid={worker} op=save addr=0x([0-9a-f]+) bytes=(\d+) result=ok rc=0", line)
+    assert m, line
+    addr, size = int(m.group(1), 16), int(m.group(2))
+    assert size == COPY_MIB << 20
+    copy = vma(worker, addr)
+    flags = copy["VmFlags"].split()
+    # MAP_POPULATE kept its promise either way: the whole copy is resident when the call returns
+    assert kib(copy["Rss"]) >= size >> 10, copy
+    assert ("hg" in flags) is preload, copy
+    if preload:
+        lo, hi = (int(x, 16) for x in copy["range"].split("-"))
+        assert (lo, hi) == (addr, addr + size), copy  # a mapping of its own (its flags differ from any neighbour's)
+        if thp_mode() != "never":
+            assert kib(copy["AnonHugePages"]) > 0, copy
+    elif thp_mode() != "always":
+        assert kib(copy["AnonHugePages"]) == 0, copy
+    # the bytes the "device" gave are in the copy, at its start, middle and end
+    with open(f"/proc/{worker}/mem", "rb") as mem:
+        for word in (0, size // 16, size // 8 - 1):
+            mem.seek(addr + 8 * word)
+            assert int.from_bytes(mem.read(8), "little") == 0xC0FFEE0000000000 | word
+
+    resume = stub.run("--action", "resume", "--pid", str(worker), "--skip-mem")
+    assert resume.rc == 0, resume.err
+    assert stub.state(worker) == RUNNING
+    copies = [x for x in stub.log() if x.startswith("copy ")]
+    assert copies[1:] == [f"copy pid={worker} op=restore addr={addr:#x} bytes={size} result=ok rc=0"]
+    with pytest.raises(AssertionError, match="no mapping"):
+        vma(worker, addr)
     assert sb.status("/health") == 200
