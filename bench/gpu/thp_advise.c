@@ -1,6 +1,11 @@
 /* thp_advise.so: an LD_PRELOAD shim that asks for transparent huge pages on the large anonymous
  * mappings its process makes through mmap(), for bench/gpu/thp_bench.py (issue 12).
  *
+ * The product is native/thp/dynsnap-thp.c (libdynsnap-thp.so, preloaded into every worker by
+ * dynsnap-entrypoint): the same takeover narrowed to MAP_POPULATE mappings, with fallbacks and no
+ * log. This file stays as the instrument the H200 runs in docs/BENCHMARKS.md measured (its log
+ * feeds thp_bench.py), so that their command still reproduces them.
+ *
  * Why: on a machine whose THP setting is `madvise`, only memory marked MADV_HUGEPAGE gets huge pages
  * at fault time, and only the process itself can mark it (process_madvise() refuses MADV_HUGEPAGE
  * for another process). The CUDA driver's host copy of a checkpointed process is an anonymous
