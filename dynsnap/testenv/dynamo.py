@@ -216,6 +216,12 @@ class FrontendClient:
 
 
 async def instance_id(cluster: LocalCluster, pod: RunningPod) -> int:
-    """The worker's discovery instance id (decimal), as its DWM publishes it."""
-    dwm = await wait_for(f"DWM of {pod.name}", lambda: dwm_of(cluster, pod), timeout=60)
-    return instance_id_from_dwm(dwm)
+    """The worker's discovery instance id (decimal), as its DWM publishes it. The worker applies its
+    DWM in more than one write (the object first, its generate endpoint when that serves), so wait
+    for the endpoint, not only the object."""
+    async def published() -> int | None:
+        with contextlib.suppress(ValueError):
+            return instance_id_from_dwm(await dwm_of(cluster, pod))
+        return None
+    iid: int = await wait_for(f"DWM of {pod.name} with its generate endpoint", published, timeout=60)
+    return iid

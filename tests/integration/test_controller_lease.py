@@ -83,8 +83,12 @@ async def test_lease_lost_mid_wake_stops_the_leader_and_the_other_replica_verifi
             assert await wait_for("controller-1 leads", lambda: _is(api, "controller-1"), timeout=30)
             ws = await wait_ws(env, pod, "verified by the new leader", verified_after(since), timeout=90)
             assert ws["status"]["controller"]["verification"]["answered"] == 3
-            evs = [e for e in await events_for(api, pod.namespace, pod.name) if e["reason"] == "Verified"]
-            assert evs and {e["reportingInstance"] for e in evs} == {"controller-1"}, evs
+            async def verified_events() -> list[Obj] | None:
+                # The Event follows the status write that records the verdict: wait for it.
+                evs = [e for e in await events_for(api, pod.namespace, pod.name) if e["reason"] == "Verified"]
+                return evs or None
+            evs = await wait_for("the Verified Event", verified_events, timeout=30)
+            assert {e["reportingInstance"] for e in evs} == {"controller-1"}, evs
         finally:
             await follower.stop()
 
