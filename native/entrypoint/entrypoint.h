@@ -23,6 +23,7 @@ struct ep {
 	int probe_port;
 	int system_port;
 	bool seccomp;
+	bool pid_cycle; /* when ns_last_pid cannot be written, reach the floor by cycling pids */
 	/* libdynsnap-thp.so, prepended to the worker's LD_PRELOAD; empty: not preloaded */
 	char thp_preload[PATH_MAX];
 	char **argv; /* worker command */

@@ -87,6 +87,8 @@ static void usage(FILE *f)
 		"  --probe-port N      port for /live and /health (default %d)\n"
 		"  --system-port N     the worker's system port (default $DYN_SYSTEM_PORT)\n"
 		"  --no-seccomp        do not refuse io_uring to the worker\n"
+		"  --no-pid-cycle      reserve the pid range only by writing ns_last_pid, never by\n"
+		"                      starting and reaping short-lived children\n"
 		"  --thp-preload PATH  put this huge-page library first in the worker's LD_PRELOAD\n"
 		"                      (default: %s next to this program, if there; $%s=PATH)\n"
 		"  --no-thp-preload    do not preload it ($%s=off)\n"
@@ -186,6 +188,7 @@ static void parse_args(struct ep *ep, int argc, char **argv)
 	ep->probe_port = DYNSNAP_PROBE_PORT_DEFAULT;
 	ep->log_max_bytes = LOG_MAX_BYTES_DEFAULT;
 	ep->seccomp = true;
+	ep->pid_cycle = true;
 	for (i = 1; i < argc; i++) {
 		char *a = argv[i], *val = NULL, name[32];
 		if (strcmp(a, "--") == 0) {
@@ -200,6 +203,10 @@ static void parse_args(struct ep *ep, int argc, char **argv)
 		}
 		if (strcmp(a, "--no-seccomp") == 0) {
 			ep->seccomp = false;
+			continue;
+		}
+		if (strcmp(a, "--no-pid-cycle") == 0) {
+			ep->pid_cycle = false;
 			continue;
 		}
 		if (strcmp(a, "--no-thp-preload") == 0) {
@@ -282,13 +289,36 @@ static long read_long(const char *path)
 }
 
 /*
+ * The other way to the floor, for a container that may not write ns_last_pid (containerd and
+ * CRI-O mount /proc/sys read-only in a container that is not privileged, CAP_CHECKPOINT_RESTORE
+ * or not): the kernel hands out a namespace's pids in increasing order, so starting and reaping
+ * about PID_FLOOR children that exit at once leaves the next pid above the floor. vfork: the
+ * child only _exits, and this takes a fraction of a second. Bounded by count.
+ */
+static bool cycle_pids(void)
+{
+	for (int i = 0; i < DYNSNAP_PID_FLOOR + 64; i++) {
+		pid_t c = vfork();
+		if (c < 0)
+			return false;
+		if (c == 0)
+			_exit(0);
+		while (waitpid(c, NULL, 0) < 0 && errno == EINTR)
+			;
+		if (c >= DYNSNAP_PID_FLOOR - 1)
+			return true;
+	}
+	return false;
+}
+
+/*
  * Moves the namespace's pid counter to the floor so that the worker tree's
  * pids start there. Not fatal when it fails: the agent checks the worker's
  * pids against the same floor and refuses to capture, by name. Loud, because
  * a silently missing reservation shows up much later as a CRIU restore that
  * fails with EEXIST now and then.
  */
-static bool reserve_pids(void)
+static bool reserve_pids(bool cycle)
 {
 	const char *path = "/proc/sys/kernel/ns_last_pid";
 	long last = read_long(path), pid_max = read_long("/proc/sys/kernel/pid_max");
@@ -308,6 +338,12 @@ static bool reserve_pids(void)
 		e = errno;
 		if (fd >= 0)
 			close(fd);
+	}
+	if (cycle && pid_max > DYNSNAP_PID_FLOOR && cycle_pids()) {
+		ep_log("note: cannot write %s (%s; a container runtime mounts /proc/sys read-only unless the "
+		       "container is privileged): moved the pid counter to the floor by starting and reaping "
+		       "short-lived children instead", path, e ? strerror(e) : "the value did not stick");
+		return true;
 	}
 	ep_log("WARNING: PID RESERVATION FAILED: cannot write %d to %s: %s. The worker gets low pids "
 	       "and the dynsnap agent will refuse to snapshot it. This needs root (or "
@@ -527,7 +563,7 @@ int main(int argc, char **argv)
 		       "reparented to the namespace's init, not to this process", (int)getpid());
 
 	/* First, before anything is forked. */
-	ep.pid_reserved = reserve_pids();
+	ep.pid_reserved = reserve_pids(ep.pid_cycle);
 
 	if (mkdir_p(ep.control_dir) != 0) {
 		ep_log("cannot create control directory %s: %s", ep.control_dir, strerror(errno));

@@ -56,7 +56,19 @@ THP_OTHERS = T + "test_other_mappings_are_left_exactly_as_asked"
 THP_FALLBACK = T + "test_a_refused_madvise_falls_back_to_the_callers_own_populate_mapping"
 THP_GLIBC = T + "test_the_library_loads_with_any_glibc"
 
+CYCLING = E + "test_unprivileged_entrypoint_reserves_by_cycling_pids"
+
 MUTATIONS = (
+    mutation(
+        "no-pid-cycling", "no pid cycling when `ns_last_pid` cannot be written", MAIN,
+        "\tif (cycle && pid_max > DYNSNAP_PID_FLOOR && cycle_pids()) {",
+        "\tif (0 && cycle && pid_max > DYNSNAP_PID_FLOOR && cycle_pids()) {",
+        tests=[CYCLING]),
+    mutation(
+        "cycle-stops-below-floor", "pid cycling stops one short of the floor", MAIN,
+        "\t\tif (c >= DYNSNAP_PID_FLOOR - 1)\n\t\t\treturn true;",
+        "\t\tif (c >= DYNSNAP_PID_FLOOR - 3)\n\t\t\treturn true;",
+        tests=[CYCLING]),
     mutation(
         "no-ns-last-pid-write", "no `ns_last_pid` write", MAIN,
         "if (fd >= 0 && write(fd, val, (size_t)n) == n) {",

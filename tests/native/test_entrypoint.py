@@ -330,6 +330,8 @@ def test_pid_range_is_reserved_before_anything_starts(sandbox: Callable[..., San
     # a process entering the namespace later lands above the floor too
     later = int(sb.nsenter("sh", "-c", "echo $$").strip())
     assert later >= protocol.PID_FLOOR
+    # with the right to write ns_last_pid, reserved by that one write (no children cycled)
+    assert "starting and reaping" not in sb.err() and "RESERVATION FAILED" not in sb.err()
 
 
 def test_probes_mirror_the_worker_while_active_and_answer_for_it_otherwise(
@@ -455,13 +457,38 @@ def test_log_file_keeps_its_size_while_not_active(sandbox: Callable[..., Sandbox
     wait_for(lambda: "chatty done" in sb.out(), "the copy on stdout")
 
 
-def test_failed_pid_reservation_is_loud_and_recorded(entrypoint_bin: Path) -> None:
+def _unprivileged(entrypoint_bin: Path, where: str, *opts: str) -> subprocess.CompletedProcess[str]:
     # as an unprivileged user in the namespace, ns_last_pid cannot be written
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--",
+                           "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                           str(entrypoint_bin), *opts, "--control-dir", f"{where}/c",
+                           "--probe-port", str(free_port()), "--system-port", str(free_port()),
+                           "--", "/bin/sh", "-c", "echo worker pid=$$"],
+                          capture_output=True, text=True, timeout=20)
+
+
+def test_unprivileged_entrypoint_reserves_by_cycling_pids(entrypoint_bin: Path) -> None:
+    # what a container that is not privileged gets (its /proc/sys is read-only): the counter is
+    # walked past the floor by short-lived children, and the worker's pid is above it
+    with tempfile.TemporaryDirectory(dir="/tmp") as where:
+        os.chmod(where, 0o777)
+        r = _unprivileged(entrypoint_bin, where)
+        ctl = json.loads((Path(where) / "c" / protocol.ENTRYPOINT_CONTROL_FILE).read_text())
+    assert r.returncode == 0, r.stderr
+    assert "moved the pid counter to the floor by starting and reaping" in r.stderr
+    assert "Operation not permitted" in r.stderr and "RESERVATION FAILED" not in r.stderr
+    assert ctl["pid_reserved"] is True
+    assert ctl["worker_pid"] >= protocol.PID_FLOOR
+    assert f"worker pid={ctl['worker_pid']}" in r.stdout
+
+
+def test_failed_pid_reservation_is_loud_and_recorded(entrypoint_bin: Path) -> None:
+    # ns_last_pid cannot be written and cycling is turned off
     with tempfile.TemporaryDirectory(dir="/tmp") as where:
         os.chmod(where, 0o777)
         r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--",
                             "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
-                            str(entrypoint_bin), "--control-dir", f"{where}/c",
+                            str(entrypoint_bin), "--no-pid-cycle", "--control-dir", f"{where}/c",
                             "--probe-port", str(free_port()), "--system-port", str(free_port()),
                             "--", "/bin/sh", "-c", "echo worker pid=$$"],
                            capture_output=True, text=True, timeout=20)
