@@ -134,10 +134,20 @@ def frozen(pod: RunningPod) -> Any:
 
 
 async def wait_verdict(wss: list[Obj], reason: str) -> Obj:
-    """The first WorkerSnapshot version with a verdict on the wake (``Verified`` True or False), which
-    must be False with ``reason`` (a wrong verdict fails at once, not at a time-out)."""
+    """The verdict on the wake that follows: the first WorkerSnapshot version whose verification is of
+    a wake newer than the one on record when the history began (a verdict from before, on its return
+    from a quiesce that was called off, may still be there). It must be False with ``reason``; a wrong
+    verdict fails at once, not at a time-out."""
+    before = ((wss[0].get("status") or {}).get("lastWake") or {}).get("id")
+
+    def of_the_wake(ws: Obj) -> bool:
+        st = ws.get("status") or {}
+        wake = (st.get("lastWake") or {}).get("id")
+        v = (st.get("controller") or {}).get("verification") or {}
+        return bool(wake and wake != before and v.get("wakeId") == wake and v.get("ok") is not None)
+
     async def found() -> Obj | None:
-        return next((ws for ws in wss if (cond(ws, "Verified") or {}).get("status") in ("True", "False")), None)
+        return next((ws for ws in wss if of_the_wake(ws)), None)
     try:
         ws: Obj = await wait_for("a verdict on the wake", found, timeout=180, interval=0.2)
     except TimeoutError:
