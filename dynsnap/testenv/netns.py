@@ -123,11 +123,6 @@ class SandboxNetwork:
         await self._ipcmd("-n", netns, "addr", "add", f"{pod_ip}/{plen}", "dev", "eth0")
         await self._ipcmd("-n", netns, "link", "set", "dev", "eth0", "up")
         await self._ipcmd("-n", netns, "route", "add", "default", "via", self.gateway, "dev", "eth0")
-        # A pod IP is reused (kwok hands a freed one out again, e.g. to a pod recreated under its name):
-        # the host's neighbour entry would still name the old veth's MAC, and for seconds nothing
-        # would reach the new pod (its probes time out, kubelet's first status write waits on them).
-        # A CNI announces the new MAC; here the stale entry goes, so the next packet asks again.
-        await self._ipcmd("neigh", "flush", "to", pod_ip, "dev", self.bridge, check=False)
         self._write_etc(netns, pod_ip, hostname)
         return veth
 
