@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import glob
 import os
 import subprocess
@@ -46,6 +47,9 @@ def _cuda_include() -> str:
         if c and (Path(c) / "cuda.h").is_file():
             return c
     raise FileNotFoundError("no CUDA 13 cuda.h: run ./run setup")
+
+
+NSKEY_SHIFT = 22  # stub_libcuda's nskey: a process's key is (pid namespace inode << 22) | pid in it
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,23 @@ class StubDriver:
     def calls(self) -> list[str]:
         f = self.state_dir / "log"
         return f.read_text().splitlines() if f.exists() else []
+
+    def forget_pid_namespace(self, inode: int) -> int:
+        """Drop the state of every process of the pid namespace ``inode`` (``nskey`` keys), as the
+        stub's lock serialises it; returns how many. Call it when that namespace's pod is gone: its
+        processes can never be restored, and the real driver's state (inside the process) went with
+        them. Kept, it would be inherited by a later pod whose pid namespace gets the same inode number
+        (the kernel reuses them) and whose GPU process has the same pid in it, which would then look
+        checkpointed to the agent from its first moment."""
+        f = self.state_dir / "state"
+        with open(self.state_dir / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not f.exists():
+                return 0
+            lines = [line for line in f.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if int(line.split()[0]) >> NSKEY_SHIFT != inode]
+            f.write_text("".join(f"{line}\n" for line in kept))
+            return len(lines) - len(kept)
 
 
 def build_stub_driver(out: Path) -> StubDriver:
