@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -80,6 +81,7 @@ HOOK_TIMEOUT = 30
 INSTALL_VALUES = [
     # Local timing (the defaults are for real clusters), passed the way a user would.
     "controller.scrapeInterval=1", "controller.verifyTimeout=30", "controller.quiesceTimeout=60",
+    "controller.verbose=true",  # every reconcile in the stand-in's log
 ]
 
 
@@ -132,10 +134,13 @@ class StandIns:
         await asyncio.gather(*(a.stop() for a in self.agents), return_exceptions=True)
         self.agents = []
 
-    def logs(self) -> str:
-        ctl = self.controller.tail(80) if self.controller else "(stopped)"
-        return "\n".join([f"--- stand-in controller ---\n{ctl}"] +
-                         [f"--- agent {a.node} ---\n{a.tail(40)}" for a in self.agents])
+    def keep_logs(self) -> Path:
+        """The stand-ins' whole logs, copied where the session keeps component logs of a failed run."""
+        keep = Path(os.environ.get("DYNSNAP_KEEP_LOGS", "test-logs")) / "helm"
+        keep.mkdir(parents=True, exist_ok=True)
+        for log in self.work.rglob("*.log"):
+            shutil.copy2(log, keep / log.name)
+        return keep.resolve()
 
 
 @pytest.fixture
@@ -318,7 +323,7 @@ async def test_install_upgrade_uninstall_and_no_worker_left_asleep(cluster: Loca
     ds = await api.get(DAEMON_SETS, AGENT, namespace=NS)
     assert dep["metadata"]["annotations"]["meta.helm.sh/release-name"] == RELEASE
     (ctl,) = dep["spec"]["template"]["spec"]["containers"]
-    assert env_of(ctl)["DYNSNAP_CONTROLLER_VERIFY_TIMEOUT"] == "30"
+    assert env_of(ctl)["DYNSNAP_CONTROLLER_VERIFY_TIMEOUT"] == "30" and ctl["args"] == ["--verbose", "controller"]
     dspod = ds["spec"]["template"]["spec"]
     assert dspod["hostPID"] is True and dspod["containers"][0]["securityContext"]["privileged"] is True
     assert not await exists(api, R.SERVICE_ACCOUNTS, HOOK_SA, NS)  # the uninstall identity exists only then
@@ -481,7 +486,9 @@ async def test_install_upgrade_uninstall_and_no_worker_left_asleep(cluster: Loca
         answers = [await fe.chat(f"after uninstall {i}", worker_id=iid, max_tokens=2) for i in range(3)]
         assert [(a.status, a.worker_id) for a in answers] == [(200, iid)] * 3, [a.body for a in answers]
     except BaseException:
-        print(stand.logs())
+        for p in graph.workers("worker") if graph is not None else []:
+            print(f"--- {p.name} ---\n" + yaml.safe_dump(((await get_ws(api, p)) or {}).get("status")))
+        print(f"stand-in logs kept in {stand.keep_logs()}")
         raise
     finally:
         if fe is not None:
