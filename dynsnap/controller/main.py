@@ -30,7 +30,7 @@ from dynsnap.controller.reconciler import Hooks, Reconciler, Stores
 from dynsnap.controller.settings import ControllerSettings
 from dynsnap.k8s.client import Kube
 from dynsnap.k8s.events import EventRecorder
-from dynsnap.k8s.informer import Informer
+from dynsnap.k8s.informer import Informer, strip_managed_fields
 from dynsnap.k8s.leases import Leases
 from dynsnap.k8s.store import DELETED, MODIFIED, label
 from dynsnap.models import protocol as P
@@ -63,15 +63,19 @@ class Controller:
         self.kube = kube
         self.settings = settings
         ns = settings.namespace or None
-        self.dgds = Informer(kube, R.DGDS, namespace=ns, name="dgds")
+        # Stores keep every graph, worker pod, DWM, endpoint and WorkerSnapshot of the cluster for
+        # the process's life; managedFields were half their bytes and nothing here reads them
+        # (bench/scale: the controller's RSS at 10,000 workers, docs/BENCHMARKS.md).
+        slim = strip_managed_fields
+        self.dgds = Informer(kube, R.DGDS, namespace=ns, name="dgds", transform=slim)
         self.pods = Informer(kube, R.PODS, namespace=ns, label_selector=P.LABEL_DGD_NAME,
-                             indexers={"dgd": _dgd_index, "uid": _uid_index}, name="pods")
-        self.dwms = Informer(kube, R.DWMS, namespace=ns, name="dwms")
+                             indexers={"dgd": _dgd_index, "uid": _uid_index}, name="pods", transform=slim)
+        self.dwms = Informer(kube, R.DWMS, namespace=ns, name="dwms", transform=slim)
         self.slices = Informer(kube, R.ENDPOINT_SLICES, namespace=ns,
                                label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true",
-                               indexers={"target": F.endpoint_targets}, name="endpointslices")
+                               indexers={"target": F.endpoint_targets}, name="endpointslices", transform=slim)
         self.wss = Informer(kube, R.WORKER_SNAPSHOTS, namespace=ns, indexers={"node": label(P.LABEL_NODE)},
-                            name="workersnapshots")
+                            name="workersnapshots", transform=slim)
         self.informers = [self.dgds, self.pods, self.dwms, self.slices, self.wss]
         self.queue: WorkQueue[str] = WorkQueue(base_delay=0.2, max_delay=60.0)
         self.frontend = Frontend(timeout=settings.verify_request_timeout)

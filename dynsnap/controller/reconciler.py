@@ -27,6 +27,7 @@ from dynsnap.controller.plan import Decision, Demand, Phase, Want, WorkerView, p
 from dynsnap.controller.settings import ControllerSettings
 from dynsnap.k8s.client import Kube
 from dynsnap.k8s.errors import Conflict, NotFound
+from dynsnap.k8s.informer import strip_managed_fields
 from dynsnap.k8s.store import Store
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
@@ -656,7 +657,8 @@ class Reconciler:
                 subresource="status", field_manager=P.FIELD_MANAGER, force=True)
         except NotFound:
             return
-        self.stores.wss.upsert(written)  # read our own write: the next reconcile must not act on stale status
+        # Read our own write: the next reconcile must not act on stale status (stored as the informer stores it).
+        self.stores.wss.upsert(strip_managed_fields(written))
 
     async def _say(self, regarding: Obj, kind: str, reason: Reason, note: str, *, subject: str | None = None) -> None:
         """An Event, once per distinct (subject, reason, note): a level-triggered loop would repeat it."""

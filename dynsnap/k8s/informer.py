@@ -23,7 +23,10 @@ List pages are not retried by ``dynsnap.k8s.retry``: this loop is the one retry 
 so its backoff and bound are the whole story. Its sleeps obey the instant switch of that module.
 Handlers run one at a time on the informer's task; one that raises is logged and counted and
 does not stop the informer. Listed items get ``apiVersion``/``kind`` filled in (the API server
-omits them in lists), so every object in the store names its type.
+omits them in lists), so every object in the store names its type. ``transform`` (client-go's
+``TransformFunc``), when given, is applied to every listed and watched object before it is stored
+or delivered: what the owner never reads need not be kept for months (:func:`strip_managed_fields`:
+``metadata.managedFields`` is about half of a pod).
 """
 
 from __future__ import annotations
@@ -50,6 +53,17 @@ log = logging.getLogger(__name__)
 BOOKMARK: Final = "BOOKMARK"
 
 Handler = Callable[[str, Obj], Awaitable[None] | None]
+Transform = Callable[[Obj], Obj]
+
+
+def strip_managed_fields(obj: Obj) -> Obj:
+    """``obj`` without ``metadata.managedFields`` (server-side apply's bookkeeping: about half of a pod's
+    and of a WorkerSnapshot's bytes, and nothing a controller reads). Edits the object it is given,
+    which is the informer's own freshly decoded copy."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return obj
 
 # A list never needs more pages than this: 10,000 pods are 20 pages of 500. Hitting it means the
 # server keeps handing out continue tokens, a bug this loop must not spin on.
@@ -118,6 +132,7 @@ class Informer:
         indexers: Mapping[str, IndexFunc] | None = None,
         settings: InformerSettings | None = None,
         name: str | None = None,
+        transform: Transform | None = None,
     ) -> None:
         self.kube = kube
         self.res = res
@@ -125,6 +140,7 @@ class Informer:
         self.label_selector = label_selector
         self.field_selector = field_selector
         self.settings = settings or InformerSettings()
+        self.transform = transform
         self.name = name or "/".join(p for p in (res.plural, namespace, label_selector, field_selector) if p)
         self.store = Store(indexers)
         self.stats = InformerStats()
@@ -293,6 +309,8 @@ class Informer:
         for item in items:
             item.setdefault("apiVersion", self.res.api_version)
             item.setdefault("kind", self.res.kind)
+        if self.transform is not None:
+            items = [self.transform(item) for item in items]
         events = self.store.replace(items)
         self.stats.lists += 1
         if self._synced.is_set():
@@ -320,6 +338,8 @@ class Informer:
             self._gone_streak = 0
             typ, obj = ev.get("type"), ev.get("object") or {}
             rv = (obj.get("metadata") or {}).get("resourceVersion")
+            if self.transform is not None and typ in (ADDED, MODIFIED, DELETED):
+                obj = self.transform(obj)
             if typ == BOOKMARK:
                 self.stats.bookmarks += 1
             elif typ in (ADDED, MODIFIED):
