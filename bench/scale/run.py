@@ -257,6 +257,7 @@ class Bench:
     ctl_cfg: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
     ctl: ControllerRun | None = None  # the controller of the run under way
+    _parsed: dict[str, tuple[str, WorkerSnapshot | None]] = field(default_factory=dict)
 
     @property
     def api(self) -> Kube:
@@ -376,8 +377,18 @@ class Bench:
     # -- reading the fleet ------------------------------------------------------------------------
 
     def ws(self, key: str) -> WorkerSnapshot | None:
+        """The WorkerSnapshot as the fake agent's informer has it, parsed once per resourceVersion (the
+        bench looks at every worker every second: parsing each time would take the controller's CPU)."""
         assert self.agent is not None
-        return F.parse_ws(self.agent.informer.store.get_key(key))
+        obj = self.agent.informer.store.get_key(key)
+        if obj is None:
+            return None
+        rv = str(obj["metadata"].get("resourceVersion"))
+        hit = self._parsed.get(key)
+        if hit is None or hit[0] != rv:
+            hit = (rv, F.parse_ws(obj))
+            self._parsed[key] = hit
+        return hit[1]
 
     def serving(self, key: str) -> bool:
         assert self.pods is not None
