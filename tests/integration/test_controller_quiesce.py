@@ -106,14 +106,18 @@ async def test_no_capture_while_the_controller_still_sees_the_endpoint_ready(clu
             controller_args=["--quiesce-timeout", str(QUIESCE_TIMEOUT)]) as env:
         pod, _peer = env.graph.workers("worker")
         wid = instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
-        # The controller's EndpointSlice watch goes silent (its connections cut, so it watches again).
+        # The controller's view of EndpointSlices first catches up with both endpoints ready (as the API
+        # server has them), then stops there: its connections are cut, its next watch is answered 410
+        # (so it lists afresh) and the one after goes silent.
+        for p in env.graph.workers("worker"):
+            await wait_for(f"{p.name}'s endpoint ready", lambda p=p: endpoint_ready(env, p), timeout=60)
+        proxy.add(Fault("respond", path_contains="/endpointslices", watch=True, status=410))
         proxy.add(Fault("silent_after", path_contains="/endpointslices", watch=True, times=None))
-        before = len(proxy.seen(path_contains="/endpointslices", watch=True))
         proxy.abort_all()
 
         async def silenced() -> bool:
-            return len(proxy.seen(path_contains="/endpointslices", watch=True)) > before
-        await wait_for("the controller's EndpointSlice watch, silenced", silenced, timeout=60)
+            return any(s.fault == "silent_after" for s in proxy.seen(path_contains="/endpointslices", watch=True))
+        await wait_for("the controller's EndpointSlice watch relisted, then silenced", silenced, timeout=60)
 
         async with history(env.api, R.WORKER_SNAPSHOTS, pod) as wss:
             await suspend_by_hand(env, pod)
