@@ -112,7 +112,8 @@ class Reconciler:
         ws = F.parse_ws(self.stores.wss.get(ns, name))
         parsed = parse_policy(F.annotations_of(dgd), comp.annotations if comp else {})
         if not parsed.ok:
-            return await self._bad_policy(dgd, comp_name or "?", ws, parsed)
+            await self._bad_policy(dgd, comp_name or "?", ws, parsed)
+            return await self._finish_return(pod, F.parse_ws(self.stores.wss.get(ns, name)))
         assert parsed.policy is not None
         policy = parsed.policy
         if ws is not None and ws.spec.pod_uid != F.pod_uid(pod):
@@ -606,9 +607,24 @@ class Reconciler:
         c = ws.condition(ConditionType.POLICY)
         return c is not None and c.status == "True"
 
+    async def _finish_return(self, pod: Obj, ws: WorkerSnapshot | None) -> float | None:
+        """While the policy does not parse nothing new is decided, but a worker on its way back to
+        serving gets there: a quiesce under way is called off, a woken (or recalled) worker is verified
+        and its gate set. Left alone, a typo would keep it out of serving with Active wanted for as long
+        as it stands (the quiesce timeout is on the policy's path). Defaults stand in for the policy it
+        cannot read, and a failed verification deletes nothing (the user's on-failed-wake is unreadable)."""
+        if ws is None or ws.spec.pod_uid != F.pod_uid(pod) or ws.spec.desired_state != DesiredState.ACTIVE:
+            return None
+        phase = F.phase_of(pod, ws, F.endpoint_ready(self.stores.slices, pod))
+        if phase not in (Phase.QUIESCING, Phase.STARTING):
+            return None
+        why = "the policy does not parse; the return to serving under way ends"
+        return await self._awake(pod, ws, Policy(on_failed_wake="none"), phase, Decision(Want.AWAKE, why))
+
     async def _bad_policy(self, dgd: Obj, component: str, ws: WorkerSnapshot | None, parsed: ParsedPolicy
                           ) -> float | None:
-        msg = f"component {component}: {parsed.message()}; nothing is changed until it is fixed"
+        msg = (f"component {component}: {parsed.message()}; nothing new is decided until it is fixed (a return "
+               "to serving under way still ends)")
         meta = dgd["metadata"]
         await self._say(dgd, "Warning", Reason.INVALID_POLICY, msg,
                         subject=f"policy/{meta.get('namespace')}/{meta['name']}/{component}")
@@ -638,17 +654,20 @@ class Reconciler:
         await self.kube.merge_patch(R.WORKER_SNAPSHOTS, ws.metadata.name, patch, namespace=ws.metadata.namespace)
 
     async def _write(self, ws: WorkerSnapshot, rec: ControllerRecord, *,
-                     verified: tuple[bool | None, Reason, str] | None = None, policy_ok: bool = True,
+                     verified: tuple[bool | None, Reason, str] | None = None, policy_ok: bool | None = None,
                      policy_msg: str = "") -> None:
         """The controller's whole part of the status, by server-side apply (what it stops sending
-        would be dropped, so it always sends all of it)."""
+        would be dropped, so it always sends all of it). ``policy_ok`` None: PolicyValid as it stands
+        (True when unset), so a write while the policy does not parse does not undo its verdict."""
         gen = ws.metadata.generation
         conds = [c for c in ws.status.conditions if c.type in P.CONTROLLER_CONDITIONS]
         if verified is not None:
             conds = set_condition(conds, ConditionType.VERIFIED, verified[0], verified[1], verified[2], generation=gen)
-        conds = set_condition(conds, ConditionType.POLICY, policy_ok,
-                              Reason.POLICY_VALID if policy_ok else Reason.INVALID_POLICY,
-                              policy_msg or "dynsnap.io/ annotations parse", generation=gen)
+        invalid = next((c for c in conds if c.type == ConditionType.POLICY and c.status == "False"), None)
+        if policy_ok is not None or invalid is None:
+            ok = policy_ok is not False
+            conds = set_condition(conds, ConditionType.POLICY, ok, Reason.POLICY_VALID if ok else Reason.INVALID_POLICY,
+                                  policy_msg or "dynsnap.io/ annotations parse", generation=gen)
         status = {"controller": rec.wire(), "conditions": [c.wire() for c in conds]}
         try:
             written = await self.kube.apply(
