@@ -165,7 +165,7 @@ async def _invalid_policy_event(env: Env, g: Deployed, problem: str, why: str) -
         return next((e for e in evs if problem in e.get("note", "")), None)
     ev: Obj = await eventually(f"Event InvalidPolicy on DGD {g.name} naming {problem}", find, timeout=60)
     assert ev["type"] == "Warning" and why in ev["note"] and "component worker" in ev["note"], ev
-    assert "nothing is changed until it is fixed" in ev["note"], ev
+    assert "nothing new is decided until it is fixed" in ev["note"], ev
     return ev
 
 
@@ -195,7 +195,7 @@ async def test_bad_annotations_on_a_serving_graph_change_nothing_until_fixed(env
                 ws = await wait_ws(env, p, f"PolicyValid=False naming {key}", _policy_invalid(problem), timeout=60)
                 c = cond(ws, "PolicyValid")
                 assert c is not None and c["reason"] == "InvalidPolicy", c
-                assert c["message"].startswith("component worker: ") and "nothing is changed" in c["message"], c
+                assert c["message"].startswith("component worker: ") and "nothing new is decided" in c["message"], c
                 _unchanged(ws, before[p.name])
                 assert _since(ws["status"]["idle"]["idleSince"]) > 2.0  # idle past idle-after: would be captured
                 await _in_serving(env, p)
@@ -578,6 +578,47 @@ async def test_controller_killed_at_each_step_finishes_the_cycle_consistently(en
         env.driver.clear_faults()
         if env.controller.proc is None:
             await env.start_controller()
+
+
+async def test_bad_annotation_mid_quiesce_calls_the_capture_off_and_the_worker_serves_again(env: Env,
+                                                                                          cycle: Deployed) -> None:
+    """A worker out of serving for a capture (drained; its desiredState write held back) when a DGD
+    annotation goes bad: nothing new is decided (no capture is requested), but the quiesce under way is
+    called off and the worker returns to serving, proven as every return is; PolicyValid=False says
+    why all along. Left as it was, a typo would keep it out of serving with Active wanted."""
+    g = cycle
+    victim, peer = g.workers
+    await _baseline(env, g)
+    generation = (await get_ws(env.api, victim) or {})["metadata"]["generation"]
+    try:
+        await _hold_at(env, victim, "gate-false")
+        await edit_annotations(env.api, g, dgd={P.ANN_TIER: "deep"})
+        problem = f"{P.ANN_TIER}='deep': must be one of suspend, snapshot"
+        await wait_ws(env, victim, "PolicyValid=False", _policy_invalid(problem), timeout=60)
+        env.proxy.clear()  # the desiredState write would go through now: none is made
+
+        def called_off_and_verified(ws: Obj | None) -> bool:
+            q = record(ws).get("quiesce") or {}
+            v = record(ws).get("verification") or {}
+            return bool(q.get("finished") and q.get("ok") is False and v.get("ok") is True
+                        and datetime.fromisoformat(v["started"]) >= datetime.fromisoformat(q["started"]))
+        ws = await wait_ws(env, victim, "the capture called off, the return verified", called_off_and_verified)
+        assert ws["spec"]["desiredState"] == "Active" and ws["metadata"]["generation"] == generation, ws["spec"]
+        c = cond(ws, "PolicyValid")
+        assert c is not None and c["status"] == "False" and problem in c["message"], c
+        v = record(ws)["verification"]
+        assert v["wakeId"].startswith("recall-") and v["answered"] == v["requests"] >= 1, v
+        await _in_serving(env, victim)
+        await _in_serving(env, peer)
+        evs = await events(env.api, victim.namespace, name=victim.name, reason="Active")
+        assert any("capture called off" in e["note"] for e in evs), evs
+    finally:
+        env.proxy.clear()
+        await set_override(env.api, victim, None)
+        await edit_annotations(env.api, g, dgd={P.ANN_TIER: "suspend"})
+    for p in g.workers:
+        await wait_ws(env, p, "PolicyValid=True", lambda ws: bool((c := cond(ws, "PolicyValid")) and
+                                                                  c["status"] == "True"))
 
 
 # -- 5. a watch answered 410 Gone ---------------------------------------------------------------------------------
