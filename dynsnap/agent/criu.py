@@ -2,12 +2,14 @@
 
 Layer: ``dynsnap.agent``. The flags are the ones proven here on CRIU 4.2.1, kernel 6.18.
 
-CRIU runs through ``nsenter -t <pod process> -p -m -n -i -u``: in the pod's pid, mount, network,
-IPC and UTS namespaces, so it sees the pod's ``/proc`` and pids, nothing namespace-level is dumped
-or recreated, and a restore puts the tree back into the *same* namespaces at the same
-in-namespace pids. (A namespace of the worker's that CRIU is not in is one CRIU dumps and, on
-restore, makes anew: an agent pod has IPC and UTS namespaces of its own, so without -i -u a woken
-worker would land in a new IPC namespace, apart from the rest of its pod.) With
+CRIU runs through ``nsenter -t <pod process> -p -m -n -i -u -C``: in the pod's pid, mount,
+network, IPC, UTS and cgroup namespaces, so it sees the pod's ``/proc`` and pids, nothing
+namespace-level is dumped or recreated, and a restore puts the tree back into the *same*
+namespaces at the same in-namespace pids. (An agent pod has IPC and UTS namespaces of its own, and
+on a cgroup v2 node a cgroup namespace too. A namespace of the worker's that CRIU is not in is one
+CRIU dumps and on restore makes anew: without -i -u a woken worker landed in a new IPC namespace,
+apart from its pod; and in the agent's cgroup namespace CRIU refuses the dump, "invalid cgroup
+configuration, ... is not a suffix of /".) With
 ``--restore-detached`` CRIU exits after the restore and the restored root is reparented to the
 namespace's PID 1 (dynsnap-entrypoint, a subreaper).
 
@@ -72,7 +74,7 @@ class NamespaceTarget:
 
     def nsenter_argv(self) -> list[str]:
         return [find_tool("nsenter"), "-t", str(self.host_pid), "-p", "-m", *(["-n"] if self.net else []),
-                "-i", "-u", "--"]
+                "-i", "-u", "-C", "--"]
 
 
 @dataclass(frozen=True)
