@@ -58,7 +58,9 @@ def verified_or_failing(since: str | None) -> Any:
     ok = verified_after(since)
 
     def check(ws: Obj | None) -> bool:
-        st = (ws or {}).get("status") or {}
+        # Gone: its pod was deleted, as a failed wake's fallback does (the verdict may not be seen first).
+        assert ws is not None, "the WorkerSnapshot is gone"
+        st = ws.get("status") or {}
         v = (st.get("controller") or {}).get("verification") or {}
         wake = (st.get("lastWake") or {}).get("id")
         assert not (wake and wake != since and v.get("wakeId") == wake and v.get("ok") is False), v
