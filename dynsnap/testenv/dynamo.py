@@ -180,7 +180,12 @@ class FrontendClient:
         await self.http.aclose()
 
     async def model_listed(self) -> bool:
-        r = await self.http.get(f"{self.base}/v1/models")
+        try:
+            r = await self.http.get(f"{self.base}/v1/models")
+        except httpx.TransportError:
+            # Not listening yet: kwok reports a new pod Ready before the stub kubelet's first probe
+            # says otherwise, so a wait can begin before the frontend's process is up.
+            return False
         return r.status_code == 200 and any(m.get("id") == MODEL_NAME for m in r.json().get("data", []))
 
     async def wait_model(self, *, timeout: float = 60) -> None:
