@@ -250,9 +250,11 @@ async def test_graph_never_valid_gets_no_workersnapshot_and_no_gate_until_fixed(
         problem = f"{typo}='1': unknown dynsnap.io/ annotation"
         await _invalid_policy_event(env, g, problem, "unknown dynsnap.io/ annotation")
         for p in g.workers:
-            async def containers_ready(p: RunningPod = p) -> bool:
-                return pod_condition(await get_pod(env.api, p), "ContainersReady") == "True"
-            await eventually(f"{p.name}: containers ready", containers_ready, timeout=120)
+            # Not a single read: kwok's provisional Ready=True stands until the stub kubelet's first write.
+            async def held_by_the_gate(p: RunningPod = p) -> bool:
+                live = await get_pod(env.api, p)
+                return pod_condition(live, "ContainersReady") == "True" and pod_condition(live, "Ready") == "False"
+            await eventually(f"{p.name}: containers ready, the pod not Ready", held_by_the_gate, timeout=120)
         for p in g.workers:
             assert await get_ws(env.api, p) is None, f"{p.name}: a WorkerSnapshot for a graph never valid"
             live = await get_pod(env.api, p)
