@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ def parse_demand(text: str) -> Demand:
             v = float(value)
         except ValueError:
             continue
+        if not math.isfinite(v) or v < 0:
+            continue  # NaN, Inf or a negative gauge is no demand figure (and would break the planner's ceil)
         seen = True
         if name == INFLIGHT:
             inflight += v

@@ -97,3 +97,12 @@ W, W2, PF, PF2 = InstanceId(101), InstanceId(102), InstanceId(201), InstanceId(2
 def test_a_pinned_answer_is_this_workers_only_when_it_names_every_pinned_id(
         answer: PinnedAnswer, worker_id: int | None, prefill_id: int | None, mine: bool) -> None:
     assert answer.answered_by(worker_id=worker_id, prefill_id=prefill_id) is mine
+
+
+def test_non_finite_or_negative_gauges_are_not_demand() -> None:
+    text = ('dynamo_frontend_inflight_requests{model="a"} NaN\n'
+            'dynamo_frontend_inflight_requests{model="b"} +Inf\n'
+            'dynamo_frontend_queued_requests{model="a"} -3\n'
+            'dynamo_frontend_inflight_requests{model="c"} 2\n')
+    d = parse_demand(text)
+    assert (d.inflight, d.queued) == (2.0, 0.0)
