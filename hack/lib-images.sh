@@ -166,6 +166,12 @@ _IMAGES_CHROOT_ENV=(env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=
 # Bump when what _images_deps_layer puts into a layer changes (its cache key).
 IMAGES_DEPS_RECIPE=1
 
+# _images_deps_dir FLAVOR BASE.tar WHEELS: where that first layer is cached.
+_images_deps_dir() {
+  local key; key=$(printf '%s\n' "$IMAGES_DEPS_RECIPE" "$(basename "$2")" "$(basename "$3")" | sha256sum | cut -c1-12)
+  echo "$CACHE/images-layers/$1-$key"
+}
+
 # _images_deps_layer FLAVOR BASE.tar WHEELS: print the directory holding the first layer of a
 # Python image (layer.json + its blob), making it when not cached: mmdebstrap's tree + a venv at
 # /opt/dynsnap with every dependency wheel installed by the tree's own Python (scripts say
@@ -173,9 +179,7 @@ IMAGES_DEPS_RECIPE=1
 # stays out of the venv. dynsnap itself goes into the second layer (it changes far more often).
 _images_deps_layer() {
   local flavor="$1" base="$2" wheels="$3"
-  local key; key=$(printf '%s\n' "$IMAGES_DEPS_RECIPE" "$(basename "$base")" "$(basename "$wheels")" \
-    | sha256sum | cut -c1-12)
-  local dir="$CACHE/images-layers/$flavor-$key"
+  local dir; dir=$(_images_deps_dir "$flavor" "$base" "$wheels")
   if [[ -f "$dir/.complete" ]]; then echo "$dir"; return 0; fi
   local t0=$SECONDS tree; tree=$(mktemp -d "$IMAGES_WORK/deps-tree.XXXXXX")
   tar -xf "$base" -C "$tree" || die "images: unpacking $base failed"
@@ -354,6 +358,15 @@ setup_images() {
   log "images: dynsnap-entrypoint in $((SECONDS - t1)) s"
 
   rm -rf "$IMAGES_WORK"
+  # Trees, layers and wheels of other inputs (an older package list or pins) are not used again.
+  local f py_deps agent_deps
+  py_deps=$(_images_deps_dir python "$py_base" "$wheels") agent_deps=$(_images_deps_dir agent "$agent_base" "$wheels")
+  for f in "$CACHE"/images-base/*.tar "$CACHE"/images-layers/*/ "$CACHE"/images-wheels-*/; do
+    case "${f%/}" in
+      "$py_base" | "$agent_base" | "$bb_base" | "${wheels%/}" | "$py_deps" | "$agent_deps") ;;
+      *) rm -rf "$f" ;;
+    esac
+  done
   cat "$out.tmp"/*.summary > "$out.tmp/images.jsonl"; rm -f "$out.tmp"/*.summary
   touch "$out.tmp/.complete"
   rm -rf "$out"; mv "$out.tmp" "$out"
