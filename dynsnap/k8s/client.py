@@ -14,9 +14,11 @@ when no byte arrives within its deadline, and the informer's own loop reconnects
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from kubernetes_asyncio import client as k8s_client
@@ -38,6 +40,26 @@ _JSON_PATCH = "application/json-patch+json"
 DEFAULT_AUDIENCE = "https://kubernetes.default.svc"
 
 
+def _read_environment_once(api: k8s_client.ApiClient) -> None:
+    """kubernetes_asyncio's aiohttp session trusts the environment, and aiohttp then looks up
+    ``~/.netrc`` and the proxy variables in a worker thread on every request: two thread hops per
+    request, about a sixth of the controller's CPU at 10,000 workers (bench/scale, docs/BENCHMARKS.md).
+    The proxy the environment names for the API server (``HTTPS_PROXY``/``HTTP_PROXY``, ``NO_PROXY``)
+    is read once, here, and given to every request as kubernetes_asyncio's ``proxy`` (as a kubeconfig's
+    ``proxy-url`` would be); ``.netrc``, which never holds a Kubernetes credential, is not read."""
+    rest = api.rest_client
+    session = rest.pool_manager
+    if not session.trust_env:
+        return
+    if not rest.proxy:
+        url = urlsplit(str(api.configuration.host))
+        proxy = urllib.request.getproxies_environment().get(url.scheme or "https")
+        # On Linux proxy_bypass is proxy_bypass_environment: NO_PROXY (no_proxy), as aiohttp reads it.
+        if proxy and url.hostname and not urllib.request.proxy_bypass(url.hostname):
+            rest.proxy = proxy
+    session._trust_env = False  # aiohttp reads it per request; it has no setter
+
+
 class Kube:
     """One API server connection with a fixed field manager and retry policy.
 
@@ -56,6 +78,7 @@ class Kube:
         token_file: config.TokenFile | None = None,
     ) -> None:
         self._api = api
+        _read_environment_once(api)
         self.field_manager = field_manager
         self.retry_policy = retry_policy
         self.namespace = namespace
