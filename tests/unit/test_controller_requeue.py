@@ -114,3 +114,25 @@ def test_a_worker_that_comes_or_goes_requeues_its_component(ctl: Controller) -> 
     p = pod("g-v-1")
     ctl._on_pod(DELETED, p)
     assert queued(ctl) == {"g-v-0", "g-v-1", "g-v-2"}
+
+
+def dgd(rv: str, enabled: str) -> dict[str, Any]:
+    return {"metadata": {"name": "g", "namespace": "ns", "resourceVersion": rv,
+                         "annotations": {P.ANN_ENABLED: enabled}},
+            "spec": {"components": [{"name": "w", "componentType": "worker"}]}}
+
+
+def test_opted_in_graphs_follow_each_graphs_changes(ctl: Controller) -> None:
+    """Kept per resourceVersion (the scrape asks every interval), never past a change."""
+    def names() -> list[str]:
+        return [d["metadata"]["name"] for d in ctl.opted_in_graphs()]
+
+    ctl.dgds.store.upsert(dgd("1", "true"))
+    assert names() == ["g"]
+    assert names() == ["g"]
+    ctl.dgds.store.upsert(dgd("2", "false"))
+    assert names() == []
+    ctl.dgds.store.upsert(dgd("3", "true"))
+    assert names() == ["g"]
+    ctl.dgds.store.remove("ns/g")
+    assert names() == [] and ctl._opted_in == {}
