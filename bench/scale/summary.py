@@ -1,7 +1,8 @@
 """bench/scale's results as a Markdown table (medians over the runs of each size) and a PNG against
-fleet size; with ``--before``, the same for an earlier set, the two side by side.
+fleet size; with ``--set LABEL=DIR`` (repeated), several sets side by side (e.g. before and after a fix).
 
-    python bench/scale/summary.py RESULTS_DIR [--before RESULTS_DIR] [--png PATH]
+    python bench/scale/summary.py RESULTS_DIR [--png PATH]
+    python bench/scale/summary.py --set before=DIR --set after=DIR [--png PATH]
 
 A run is ``RESULTS_DIR/size-N/run-R.json`` as ``run.py`` writes it. Per run: p50 and p99 of the
 decision latencies (idle threshold -> the controller's decision) and of the wake latencies (demand
@@ -139,20 +140,22 @@ def plot(sets: list[tuple[str, dict[int, list[dict[str, Any]]]]], png: Path) -> 
                                         ("PATCH", "quiet_rps_PATCH"), ("POST", "quiet_rps_POST")], None),
         ("CPU s per decision (idle phase)", [("CPU", "idle_cpu_s_per_decision")], None),
     ]
-    styles = {0: "-", 1: "--"}
+    # colour: the series (p50, p99, ...); line and marker: the set (the last one solid, with dots)
+    styles = [(":", "x"), ("--", "s"), ("-", "o")][-len(sets):] if len(sets) <= 3 else [("-", "o")] * len(sets)
     for ax, (title, series, target) in zip(axes.flat, panels, strict=True):
-        for i, (label, data) in enumerate(sets):
+        for (label, data), (line, mark) in zip(sets, styles, strict=True):
             sizes = list(data)
             meds = [medians(data[s]) for s in sizes]
-            for name, key in series:
+            for j, (name, key) in enumerate(series):
                 ys = [m.get(key) for m in meds]
                 xs = [s for s, y in zip(sizes, ys, strict=True) if y is not None]
                 ys2 = [y for y in ys if y is not None]
                 if xs:
-                    ax.plot(xs, ys2, styles.get(i, ":"), marker="o",
+                    ax.plot(xs, ys2, line, marker=mark, color=f"C{j}",
                             label=f"{name}{f' ({label})' if label else ''}")
         if target is not None:
             ax.axhline(target, color="red", linewidth=0.8, linestyle=":", label="target")
+        ax.set_ylim(bottom=0)
         ax.set_xscale("log")
         ax.set_xlabel("kwok worker pods")
         ax.set_title(title, fontsize=10)
@@ -166,14 +169,15 @@ def plot(sets: list[tuple[str, dict[int, list[dict[str, Any]]]]], png: Path) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results", type=Path)
-    p.add_argument("--before", type=Path)
+    p.add_argument("results", type=Path, nargs="?")
+    p.add_argument("--set", action="append", default=[], metavar="LABEL=DIR", help="a labelled results directory")
     p.add_argument("--png", type=Path)
     args = p.parse_args()
-    sets = []
-    if args.before:
-        sets.append(("before", load(args.before)))
-    sets.append(("after" if args.before else "", load(args.results)))
+    sets = [(label, load(Path(d))) for label, _, d in (x.partition("=") for x in args.set)]
+    if args.results:
+        sets.append(("", load(args.results)))
+    if not sets:
+        p.error("give a results directory or --set LABEL=DIR")
     print(table(sets))
     if args.png:
         plot(sets, args.png)
