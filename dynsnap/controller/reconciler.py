@@ -204,11 +204,18 @@ class Reconciler:
         rec = ws.status.controller or ControllerRecord()
         if ws.spec.desired_state == DesiredState.SUSPENDED:
             now = utcnow()
-            tp = new_traceparent()
-            self._close_capture(ws, rec, now)
-            rec.wake = OperationRecord(id=_ms_id("w", now), tier=ws.spec.tier, started=now, trace_context=tp)
-            rec.decision, rec.decided = f"wake: {d.why}", now
-            await self._write(ws, rec)  # the wake's start and trace on record before it is asked for
+            asked = rec.wake if rec.wake is not None and rec.wake.finished is None and (
+                rec.quiesce is None or rec.wake.started >= rec.quiesce.started) else None
+            if asked is not None and asked.trace_context:
+                # Already asked for (the spec write did not land, or someone set it back): ask again
+                # as the same wake, so its record, trace and the agent's record stay one operation.
+                tp = asked.trace_context
+            else:
+                tp = new_traceparent()
+                self._close_capture(ws, rec, now)
+                rec.wake = OperationRecord(id=_ms_id("w", now), tier=ws.spec.tier, started=now, trace_context=tp)
+                rec.decision, rec.decided = f"wake: {d.why}", now
+                await self._write(ws, rec)  # the wake's start and trace on record before it is asked for
             await self._apply_spec(ws, desired=DesiredState.ACTIVE, traceparent=tp)
             await self._say(pod, "Normal", Reason.WAKE_REQUESTED, f"wake: {d.why}")
             return POLL
@@ -651,7 +658,14 @@ class Reconciler:
                                "desiredState": (desired or ws.spec.desired_state).value}}
         if traceparent:
             patch["metadata"] = {"annotations": {P.ANN_TRACEPARENT: traceparent}}
-        await self.kube.merge_patch(R.WORKER_SNAPSHOTS, ws.metadata.name, patch, namespace=ws.metadata.namespace)
+        try:
+            written = await self.kube.merge_patch(R.WORKER_SNAPSHOTS, ws.metadata.name, patch,
+                                                  namespace=ws.metadata.namespace)
+        except NotFound:
+            return
+        # Read our own write, as _write does: a reconcile before the watch brings it back must not
+        # see the old desired state and ask again (a second wake with a new trace, say).
+        self.stores.wss.upsert(strip_managed_fields(written))
 
     async def _write(self, ws: WorkerSnapshot, rec: ControllerRecord, *,
                      verified: tuple[bool | None, Reason, str] | None = None, policy_ok: bool | None = None,

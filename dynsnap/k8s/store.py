@@ -78,6 +78,14 @@ def _uid(obj: Obj) -> str | None:
     return str(uid) if uid is not None else None
 
 
+def older(obj: Obj, than: Obj) -> bool:
+    """``obj`` is an earlier version of the same object than ``than``: same UID and a smaller
+    resourceVersion. resourceVersions are etcd revisions, comparable as integers (KEP-5504 made that
+    a guarantee in Kubernetes 1.34); where either is not a number nothing is taken as older."""
+    a, b = _rv(obj) or "", _rv(than) or ""
+    return _uid(obj) == _uid(than) and a.isdigit() and b.isdigit() and int(a) < int(b)
+
+
 class Store:
     """Objects by key, plus one reverse map per index: index → value → keys."""
 
@@ -123,9 +131,14 @@ class Store:
     # -- writes ------------------------------------------------------------------------------------
 
     def upsert(self, obj: Obj) -> Obj | None:
-        """Store ``obj``; return the object it replaced, if any."""
+        """Store ``obj``; return the object it replaced, if any. An earlier version than the one stored
+        is not stored (``older``): a process that stores its own writes as the API server answered
+        them (read your own write) would otherwise go back in time when the watch event of an earlier
+        write of its arrives after a later write's answer, and act on what it has already changed."""
         key = key_of(obj)
         old = self._items.get(key)
+        if old is not None and older(obj, old):
+            return old
         self._unfile(key)
         self._items[key] = obj
         self._file(key, obj)
@@ -151,6 +164,9 @@ class Store:
                 self.remove(key)
                 events.append((DELETED, old))
         for obj in fresh.values():
+            stored = self._items.get(key_of(obj))
+            if stored is not None and older(obj, stored):
+                continue  # a write of ours newer than the list stands
             before = self.upsert(obj)
             if before is None:
                 events.append((ADDED, obj))

@@ -13,6 +13,7 @@ import pytest
 from controllerenv import asleep, events_for, get_ws, policy, running, verified_after, wait_ws
 
 from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv import dynamo as D
@@ -62,10 +63,7 @@ async def test_lease_lost_mid_wake_stops_the_leader_and_the_other_replica_verifi
             await wait_ws(env, pod, "wake requested", lambda w: bool(w and w["spec"]["desiredState"] == "Active"),
                           timeout=60)
             # Someone else takes the Lease (as a partitioned-then-returned replica's successor would).
-            lease = await api.get(R.LEASES, "dynsnap-controller", namespace=AGENT_NS)
-            lease["spec"].update({"holderIdentity": "intruder", "renewTime": _now(), "acquireTime": _now(),
-                                  "leaseDurationSeconds": 3600})
-            await api.replace(R.LEASES, lease)
+            await _take_lease(api, "intruder")
             assert leader.proc is not None and leader.proc.proc is not None
             rc = await asyncio.wait_for(leader.proc.proc.wait(), 30)
             assert rc == 1, leader.tail(40)
@@ -102,3 +100,18 @@ async def _is(api: Kube, who: str) -> bool:
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def _take_lease(api: Kube, who: str, attempts: int = 10) -> None:
+    """Write ``who`` as the Lease's holder for an hour. The leader renews between our read and our
+    write now and then (409 Conflict): read again and retry, a bounded number of times."""
+    for attempt in range(attempts):
+        lease = await api.get(R.LEASES, "dynsnap-controller", namespace=AGENT_NS)
+        lease["spec"].update({"holderIdentity": who, "renewTime": _now(), "acquireTime": _now(),
+                              "leaseDurationSeconds": 3600})
+        try:
+            await api.replace(R.LEASES, lease)
+            return
+        except Conflict:
+            if attempt == attempts - 1:
+                raise

@@ -29,8 +29,11 @@ PLAN = "dynsnap/controller/plan.py"
 RECONCILER = "dynsnap/controller/reconciler.py"
 FRONTEND = "dynsnap/controller/frontend.py"
 NODE = "dynsnap/agent/node.py"
+STORE = "dynsnap/k8s/store.py"
 
 PLAN_UNIT = "tests/unit/test_controller_plan.py::"
+WAKE_UNIT = "tests/unit/test_controller_wake_request.py::test_a_stale_reconcile_asks_again_as_the_same_wake"
+STORE_UNIT = "tests/unit/test_k8s_store.py::test_an_earlier_version_does_not_replace_a_later_one"
 FRONTEND_UNIT = "tests/unit/test_frontend_parse.py::"
 PINNED_UNIT = FRONTEND_UNIT + "test_a_pinned_answer_is_this_workers_only_when_it_names_every_pinned_id"
 FALSE = ("tests/integration/test_controller_false_wake.py::"
@@ -157,6 +160,19 @@ MUTATIONS = (
         "                                   (w.last_capture.timestamp() if w.last_capture else 0.0), w.name))\n",
         tests=[PLAN_UNIT + "test_a_deficit_calls_off_a_quiesce_first_then_wakes_the_most_recently_captured"],
         modules=["dynsnap.controller.plan"]),
+    # -- one wake, one record: read your own write -----------------------------------------------------
+    mutation(
+        "wake-asked-anew", "a reconcile that still sees Suspended opens a second wake with a new trace",
+        RECONCILER,
+        "            if asked is not None and asked.trace_context:\n",
+        "            if False:\n",
+        tests=[WAKE_UNIT], modules=["dynsnap.controller.reconciler"]),
+    mutation(
+        "store-goes-back", "the store takes an earlier version over a later one (a late watch event undoes "
+        "our own write)", STORE,
+        "        if old is not None and older(obj, old):\n            return old\n",
+        "",
+        tests=[WAKE_UNIT, STORE_UNIT], modules=["dynsnap.k8s.store"]),
     # -- the status contract between agent and controller --------------------------------------------
     mutation(
         "agent-applies-controller-conditions", "the agent's status apply keeps the controller's conditions "

@@ -82,3 +82,29 @@ def test_replace_sees_a_recreated_object_as_delete_then_add() -> None:
     events = st.replace([_obj("w", uid="new-uid", rv="9")])
     assert [(t, o["metadata"]["uid"]) for t, o in events] == [("DELETED", "old-uid"), ("ADDED", "new-uid")]
     assert st.get("dynamo", "w")["metadata"]["uid"] == "new-uid"  # type: ignore[index]
+
+
+def test_an_earlier_version_does_not_replace_a_later_one() -> None:
+    # A controller stores its own write (rv 12); the watch event of its earlier write (rv 11) arrives
+    # after it: the store keeps 12, so a reconcile never acts on what it has already changed.
+    st = _store()
+    st.upsert(_obj("ws", rv="12", node="node-b"))
+    assert st.upsert(_obj("ws", rv="11", node="node-a"))["metadata"]["resourceVersion"] == "12"
+    assert st.get("dynamo", "ws")["metadata"]["resourceVersion"] == "12"
+    assert st.by_index("node", "node-a") == [] and len(st.by_index("node", "node-b")) == 1
+    # The same version, a later one, another object under the name, or a version that is not a number: stored.
+    st.upsert(_obj("ws", rv="12", node="node-c"))
+    assert st.by_index("node", "node-c")
+    st.upsert(_obj("ws", rv="13"))
+    assert st.get("dynamo", "ws")["metadata"]["resourceVersion"] == "13"
+    st.upsert(_obj("ws", rv="5", uid="recreated"))
+    assert st.get("dynamo", "ws")["metadata"]["uid"] == "recreated"
+    st.upsert(_obj("ws", rv="a1", uid="recreated"))
+    assert st.get("dynamo", "ws")["metadata"]["resourceVersion"] == "a1"
+
+
+def test_a_relist_older_than_our_write_keeps_the_write_and_reports_nothing() -> None:
+    st = _store()
+    st.upsert(_obj("ws", rv="20"))
+    assert st.replace([_obj("ws", rv="19"), _obj("other", rv="19")]) == [("ADDED", _obj("other", rv="19"))]
+    assert st.get("dynamo", "ws")["metadata"]["resourceVersion"] == "20"
