@@ -30,8 +30,10 @@ RECONCILER = "dynsnap/controller/reconciler.py"
 FRONTEND = "dynsnap/controller/frontend.py"
 NODE = "dynsnap/agent/node.py"
 STORE = "dynsnap/k8s/store.py"
+MAIN = "dynsnap/controller/main.py"
 
 PLAN_UNIT = "tests/unit/test_controller_plan.py::"
+REQUEUE_UNIT = "tests/unit/test_controller_requeue.py::test_a_demand_change_requeues_only_the_workers_it_can_move"
 WAKE_UNIT = "tests/unit/test_controller_wake_request.py::test_a_stale_reconcile_asks_again_as_the_same_wake"
 STORE_UNIT = "tests/unit/test_k8s_store.py::test_an_earlier_version_does_not_replace_a_later_one"
 FRONTEND_UNIT = "tests/unit/test_frontend_parse.py::"
@@ -173,6 +175,12 @@ MUTATIONS = (
         "        if old is not None and older(obj, old):\n            return old\n",
         "",
         tests=[WAKE_UNIT, STORE_UNIT], modules=["dynsnap.k8s.store"]),
+    mutation(
+        "demand-rise-skips-sleepers", "a rise in demand requeues the serving workers and not the sleeping ones",
+        MAIN,
+        "        return Phase.SERVING if after.total > before.total else Phase.ASLEEP\n",
+        "        return Phase.ASLEEP if after.total > before.total else Phase.SERVING\n",
+        tests=[REQUEUE_UNIT], modules=["dynsnap.controller.main"]),
     # -- the status contract between agent and controller --------------------------------------------
     mutation(
         "agent-applies-controller-conditions", "the agent's status apply keeps the controller's conditions "

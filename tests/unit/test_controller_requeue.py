@@ -136,3 +136,32 @@ def test_opted_in_graphs_follow_each_graphs_changes(ctl: Controller) -> None:
     assert names() == ["g"]
     ctl.dgds.store.remove("ns/g")
     assert names() == [] and ctl._opted_in == {}
+
+
+def asleep_ws(name: str, rv: str) -> dict[str, Any]:
+    w = ws(name, rv)
+    w["spec"]["desiredState"] = "Suspended"
+    w["status"]["state"] = "Suspended"
+    w["status"]["conditions"].append({"type": "Suspended", "status": "True", "reason": "Suspended",
+                                      "lastTransitionTime": T0})
+    return w
+
+
+def test_a_demand_change_requeues_only_the_workers_it_can_move(ctl: Controller) -> None:
+    """More demand never puts a serving worker to sleep and less never wakes a sleeping one: a rise
+    requeues all but the serving, a fall all but the asleep; demand becoming known or unknown, all."""
+    from dynsnap.controller.plan import Demand
+    changed(ctl, asleep_ws("g-w-0", "2"))
+    changed(ctl, pod("g-w-1", gate="False"))  # Starting: awake, not serving
+    assert ctl._views["ns/g-w-0"].phase.value == "Asleep" and ctl._views["ns/g-w-2"].phase.value == "Serving"
+    everyone = W | {"g-v-0", "g-v-1", "g-v-2"}
+
+    def requeued(before: Demand | None, after: Demand | None) -> set[str]:
+        ctl._enqueue_graph("ns/g", skip=Controller.demand_skips(before, after))
+        return queued(ctl)
+
+    assert requeued(Demand(0.0), Demand(8.0)) == {"g-w-0", "g-w-1"}  # the serving ones (g-w-2, g-v-*) cannot move
+    assert requeued(Demand(8.0), Demand(1.0)) == everyone - {"g-w-0"}
+    assert requeued(None, Demand(1.0)) == everyone
+    assert requeued(Demand(1.0), None) == everyone
+    assert requeued(Demand(1.0), Demand(1.0)) == everyone
