@@ -168,6 +168,7 @@ class AgentProc:
     driver: StubDriver
     extra: list[str] = field(default_factory=list)
     proc: Supervised | None = None
+    env: dict[str, str] = field(default_factory=dict)  # more environment for the agent process
 
     @property
     def images_root(self) -> Path:
@@ -195,6 +196,7 @@ class AgentProc:
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("DYNSNAP_AGENT_")}
+        env.update(self.env)
         self.proc = Supervised(f"agent-{self.node}", self.argv(), log_path=self.log_path, env=env)
         await self.proc.start()
 
