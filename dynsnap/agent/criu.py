@@ -28,27 +28,57 @@ namespace's PID 1 (dynsnap-entrypoint, a subreaper).
   the tree itself. A restarted agent finds it by the ``DYNSNAP_OP`` marker in its environment
   (:func:`dynsnap.agent.worker.running_helpers`) and waits for it, within the same bound.
 
-Where CRIU's binary and the images directory live on a real node (both must be reachable by
-path inside the worker's mount namespace) is the installation's concern (deploy/); locally
-the pod sandboxes share the node's filesystem.
+Nothing of the agent's needs to exist in the worker's container. CRIU runs in the worker's mount
+namespace, where paths resolve in the worker's file system, so the agent hands it its own files as
+open descriptors, named by ``/proc/self/fd/N`` paths (a magic link reaches the file whatever the
+mount namespace; the descriptors are opened close-on-exec and passed to nsenter and CRIU alone):
+
+- CRIU is started by the agent's dynamic loader (the binary's ``PT_INTERP``; glibc's, for its options):
+  ``/proc/self/fd/L --inhibit-cache --library-path /proc/self/fd/D1:... --argv0 <criu> /proc/self/fd/C``.
+  The library directories are those the agent's loader resolves CRIU's libraries from
+  (``--list``, in the agent's environment, ``LD_LIBRARY_PATH`` included); ``--inhibit-cache``
+  keeps the worker's ``ld.so.cache`` out. The loader's ``--library-path`` applies to CRIU alone,
+  not to what CRIU runs. A static CRIU is run as ``/proc/self/fd/C``.
+- The images directory (``-D``; the log ``-o`` and the ``--pidfile`` are in it) and the plugin
+  directory (``--libdir``) are named the same way.
+- CRIU's work dir (``-W``) is a directory of the worker's own: the entrypoint's control directory
+  (an emptyDir in every dynsnap worker). A restore makes its cgroup yard there, a tmpfs it mounts,
+  and a mount point must be in CRIU's own mount namespace: in the images directory, reached through
+  ``/proc/self/fd``, the mount failed ("Unable to mount tmpfs in .criu.cgyard...: Invalid argument").
+- CRIU's CUDA plugin (off unless ``criu_cuda_plugin``) execs ``cuda-checkpoint`` from ``PATH`` in a
+  child that first closes every descriptor above stderr, so no ``/proc/self/fd/N`` on ``PATH``
+  reaches it there; and the child's only other tie to the agent's files, CRIU's working directory,
+  must be the worker's for the cgroup yard. So with the plugin on, the directory of
+  ``cuda-checkpoint`` (dynsnap-cuda's drop-in) must exist at the agent's path in the worker's
+  container as well.
+- A ``--criu`` that is not an ELF binary (the test environment's wrapper scripts) cannot be
+  started that way: it is run by its path, with paths for everything, which must then resolve in
+  the worker's mount namespace (locally the pod sandboxes share the node's file system).
+
+CRIU's restore closes, in every restored process, each descriptor it did not restore itself, so
+none of these reach the woken worker (tests/integration/test_agent_criu_fds.py checks both).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynsnap.models.ids import HostPid, NsPid
 from dynsnap.runtime.command import CommandError, find_tool, run_command
 
-__all__ = ["CriuError", "CriuResult", "NamespaceTarget", "classify", "criu_dump", "criu_restore"]
+__all__ = ["CriuError", "CriuResult", "NamespaceTarget", "classify", "criu_dump", "criu_restore", "elf_interpreter",
+           "library_dirs"]
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
+PIDFILE = "restore.pid"
 DUMP_DONE = "Dumping finished successfully"
 
 
@@ -91,9 +121,15 @@ class CriuOptions:
     tcp_established: bool = True
     network_lock: str | None = "nftables"
     extra_args: Sequence[str] = ()
-    # PATH for CRIU: its CUDA plugin execs `cuda-checkpoint` from it (dynsnap-cuda's drop-in).
+    # PATH for CRIU, as directories of the worker's file system.
     path: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    # CRIU's plugin directory (--libdir), an agent path; None: the one compiled into CRIU, looked up
+    # in the worker's file system.
+    libdir: str | None = None
+    # CRIU's work dir (-W), a directory of the worker's file system where CRIU may make and mount its
+    # cgroup yard on a restore (the entrypoint's control directory); None: the images directory.
+    workdir: str | None = None
 
 
 _CAUSES = (
@@ -144,13 +180,133 @@ def _common(opts: CriuOptions) -> list[str]:
     return args
 
 
-async def _run(target: NamespaceTarget, argv: list[str], *, log_path: Path, timeout: float, opts: CriuOptions,
-               what: str) -> float:
-    t0 = time.monotonic()
+_PT_INTERP = 3
+# (e_phoff, e_phentsize, e_phnum) and, in a program header, (p_type, p_offset, p_filesz): struct
+# formats and offsets for ELFCLASS32 and ELFCLASS64.
+_ELF_LAYOUT = {1: ("I", 0x1C, 0x2A, "I", 4, 0x10), 2: ("Q", 0x20, 0x36, "Q", 8, 0x20)}
+
+
+class NotElf(ValueError):
+    """The file is not an ELF binary (a script, say)."""
+
+
+def elf_interpreter(fd: int) -> str | None:
+    """The program interpreter (``PT_INTERP``, the dynamic loader) of the ELF binary open at ``fd``;
+    None for a static binary. :class:`NotElf` when it is no ELF binary."""
+    head = os.pread(fd, 64, 0)
+    if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in _ELF_LAYOUT or head[5] not in (1, 2):
+        raise NotElf("not an ELF binary")
+    end = "<" if head[5] == 1 else ">"
+    off_fmt, off_at, size_at, ph_fmt, ph_off_at, ph_size_at = _ELF_LAYOUT[head[4]]
+    (phoff,) = struct.unpack_from(end + off_fmt, head, off_at)
+    phentsize, phnum = struct.unpack_from(end + "HH", head, size_at)
+    table = os.pread(fd, phentsize * phnum, phoff)
+    for i in range(phnum):
+        entry = table[i * phentsize:(i + 1) * phentsize]
+        if len(entry) < ph_size_at + 4 or struct.unpack_from(end + "I", entry, 0)[0] != _PT_INTERP:
+            continue
+        (offset,) = struct.unpack_from(end + ph_fmt, entry, ph_off_at)
+        (size,) = struct.unpack_from(end + ph_fmt, entry, ph_size_at)
+        return os.pread(fd, size, offset).split(b"\0", 1)[0].decode()
+    return None
+
+
+def library_dirs(listing: str) -> list[str]:
+    """The directories a loader's ``--list`` output resolved the libraries from, in order; an
+    unresolved library is a ValueError that names it."""
+    dirs: list[str] = []
+    for line in listing.splitlines():
+        name, arrow, found = line.strip().partition(" => ")
+        if not arrow:
+            continue  # the vDSO and the loader itself: nothing to look up
+        path = found.rsplit(" (0x", 1)[0].strip()
+        if not path.startswith("/"):
+            raise ValueError(f"CRIU's library {name} is not found in the agent: {line.strip()}")
+        d = os.path.dirname(path)
+        if d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+class _Files:
+    """The agent's files CRIU needs, open for one run and named by ``/proc/self/fd/N`` paths."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def open(self, path: str | Path, *, directory: bool = False) -> str:
+        # Close-on-exec here; pass_fds makes them inheritable in CRIU's nsenter only (never in a
+        # helper another reconcile starts meanwhile).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
+        self.fds.append(fd)
+        return f"/proc/self/fd/{fd}"
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+def _agent_path(binary: str) -> str:
+    """``binary`` as the agent finds it (a bare name on the agent's PATH)."""
+    found = shutil.which(binary)
+    return os.path.abspath(found) if found else binary
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How one CRIU run names what it needs: agent files as fd paths, or (a script) plain paths."""
+
+    argv: list[str]  # the command that is CRIU
+    images: str
+    libdir: str | None
+
+
+async def _launch(opts: CriuOptions, images_dir: Path, files: _Files, *, timeout: float, log_path: Path) -> _Launch:
+    binary = _agent_path(opts.binary)
     try:
-        res = await run_command([*target.nsenter_argv(), *argv], timeout=timeout, check=False, env=_env(opts))
-    except CommandError as e:  # timed out: CRIU and nsenter were killed
-        raise CriuError(f"criu {what}: no exit within {timeout} s", log_path=log_path, timed_out=True) from e
+        exe = files.open(binary)
+    except OSError as e:
+        raise CriuError(f"CRIU {binary!r}: {e.strerror}", log_path=log_path) from e
+    try:
+        interp = elf_interpreter(files.fds[-1])
+    except NotElf:  # a wrapper script: its interpreter and everything else by path, in the worker's files
+        files.close()
+        return _Launch([opts.binary], str(images_dir), opts.libdir)
+    if interp is None:
+        argv = [exe]
+    else:
+        loader = files.open(interp)
+        try:  # resolved as the agent's loader resolves them, LD_LIBRARY_PATH included
+            res = await run_command([loader, "--list", exe], timeout=min(timeout, 30.0), pass_fds=files.fds)
+            libs = library_dirs(res.stdout)
+        except (CommandError, ValueError) as e:
+            raise CriuError(f"CRIU's libraries in the agent: {e}", log_path=log_path) from e
+        argv = [loader, "--inhibit-cache", "--library-path", ":".join(files.open(d, directory=True) for d in libs),
+                "--argv0", binary, exe]
+    libdir = files.open(opts.libdir, directory=True) if opts.libdir else None
+    return _Launch(argv, files.open(images_dir, directory=True), libdir)
+
+
+async def _run(target: NamespaceTarget, images_dir: Path, build: Callable[[_Launch], list[str]], *,
+               log_path: Path, timeout: float, opts: CriuOptions, what: str) -> float:
+    files = _Files()
+    try:
+        launch = await _launch(opts, images_dir, files, timeout=timeout, log_path=log_path)
+        argv = [*launch.argv, *build(launch)]
+        if launch.libdir:
+            argv += ["--libdir", launch.libdir]
+        if opts.workdir:
+            argv += ["-W", opts.workdir]
+        argv += [*_common(opts), *opts.extra_args]
+        t0 = time.monotonic()
+        try:
+            res = await run_command([*target.nsenter_argv(), *argv], timeout=timeout, check=False, env=_env(opts),
+                                    pass_fds=files.fds)
+        except CommandError as e:  # timed out: CRIU and nsenter were killed
+            raise CriuError(f"criu {what}: no exit within {timeout} s", log_path=log_path, timed_out=True) from e
+    finally:
+        files.close()
     if res.returncode != 0:
         raise CriuError(f"criu {what} exited {res.returncode}: {res.stderr.strip()[-500:]}", log_path=log_path)
     return time.monotonic() - t0
@@ -164,11 +320,11 @@ async def criu_dump(target: NamespaceTarget, pid: NsPid, images_dir: Path, *, op
         raise ValueError("refusing to dump the namespace's PID 1: dump the worker subtree under it")
     _private_dir(images_dir)
     log_path = images_dir / DUMP_LOG
-    argv = [opts.binary, "dump", "-t", str(pid), "-D", str(images_dir), "-o", DUMP_LOG, *_common(opts)]
-    if leave_running:
-        argv.append("--leave-running")
-    argv += list(opts.extra_args)
-    secs = await _run(target, argv, log_path=log_path, timeout=timeout, opts=opts, what="dump")
+
+    def build(at: _Launch) -> list[str]:
+        return ["dump", "-t", str(pid), "-D", at.images, "-o", f"{at.images}/{DUMP_LOG}",
+                *(["--leave-running"] if leave_running else [])]
+    secs = await _run(target, images_dir, build, log_path=log_path, timeout=timeout, opts=opts, what="dump")
     return CriuResult(images_dir=images_dir, log_path=log_path, seconds=secs, pid=pid)
 
 
@@ -176,11 +332,13 @@ async def criu_restore(target: NamespaceTarget, images_dir: Path, *, opts: CriuO
                        timeout: float) -> CriuResult:
     """Restore the tree in ``images_dir`` in place (same pids, same namespaces), detached."""
     log_path = images_dir / RESTORE_LOG
-    pidfile = images_dir / "restore.pid"
+    pidfile = images_dir / PIDFILE
     pidfile.unlink(missing_ok=True)
-    argv = [opts.binary, "restore", "-D", str(images_dir), "-o", RESTORE_LOG, "--restore-detached",
-            "--pidfile", str(pidfile), *_common(opts), *opts.extra_args]
-    secs = await _run(target, argv, log_path=log_path, timeout=timeout, opts=opts, what="restore")
+
+    def build(at: _Launch) -> list[str]:
+        return ["restore", "-D", at.images, "-o", f"{at.images}/{RESTORE_LOG}", "--restore-detached",
+                "--pidfile", f"{at.images}/{PIDFILE}"]
+    secs = await _run(target, images_dir, build, log_path=log_path, timeout=timeout, opts=opts, what="restore")
     try:
         pid = NsPid(int(pidfile.read_text().strip()))
     except (OSError, ValueError) as e:

@@ -107,7 +107,7 @@ class Executor:
                                timeout=settings.helper_timeout)
         self.images = ImageStore(settings.images_root, budget_bytes=settings.images_budget_bytes)
 
-    def _criu_opts(self, subject: Subject) -> CriuOptions:
+    def _criu_opts(self, subject: Subject, w: W.WorkerProcs) -> CriuOptions:
         # By default CRIU gets no cuda-checkpoint on its PATH: the GPU processes are saved (every lock
         # before any checkpoint, one helper for all) before the dump and resumed after the restore by
         # the agent, so CRIU's CUDA plugin, which handles one pid per exec, has nothing to do.
@@ -117,10 +117,10 @@ class Executor:
             dirs = [helper_dir, *dirs]  # native/build holds cuda-checkpoint -> dynsnap-cuda
         else:
             dirs = [d for d in dirs if not os.path.exists(os.path.join(d, "cuda-checkpoint"))]
-        extra = ["--libdir", self.settings.criu_libdir] if self.settings.criu_libdir else []
         return CriuOptions(binary=self.settings.criu, tcp_established=self.settings.tcp_established,
                            network_lock=self.settings.network_lock or None, path=os.pathsep.join(dirs),
-                           extra_args=extra, env={"DYNSNAP_OP": f"{subject.uid}/criu"})
+                           libdir=self.settings.criu_libdir or None, workdir=W.control_dir_of(w.entrypoint, self.proc),
+                           env={"DYNSNAP_OP": f"{subject.uid}/criu"})
 
     # -- observing --------------------------------------------------------------------------------
 
@@ -302,7 +302,7 @@ class Executor:
         # before it learnt the outcome, and never a figure left from an earlier capture.
         (staging / GPU_FILE).write_text(json.dumps(self.cuda.freed(list(obs.gpu_states))))
         try:
-            res = await criu_dump(NamespaceTarget(w.entrypoint), root, staging, opts=self._criu_opts(subject),
+            res = await criu_dump(NamespaceTarget(w.entrypoint), root, staging, opts=self._criu_opts(subject, w),
                                   timeout=self.settings.criu_timeout)
         except CriuError as e:
             reason = {"no_space": Reason.DISK_FULL, "io_uring": Reason.IO_URING_IN_USE,
@@ -364,7 +364,7 @@ class Executor:
                 raise StepFailure(Reason.NOT_ENOUGH_GPU_MEMORY, "GPU free memory below what the capture freed: " +
                                   ", ".join(f"{u}: {f} < {b} bytes" for u, (f, b) in short.items()), changed=False)
         try:
-            res = await criu_restore(NamespaceTarget(w.entrypoint), source, opts=self._criu_opts(subject),
+            res = await criu_restore(NamespaceTarget(w.entrypoint), source, opts=self._criu_opts(subject, w),
                                      timeout=self.settings.criu_timeout)
         except CriuError as e:
             reason = {"pid_taken": Reason.PIDS_IN_USE, "timeout": Reason.HELPER_TIMEOUT}.get(

@@ -34,12 +34,18 @@ class AgentSettings(BaseModel):
     cuda_helper: Annotated[str, Field(description=(
         "The dynsnap-cuda binary (also CRIU's cuda-checkpoint)."))] = "dynsnap-cuda"
     criu: Annotated[str, Field(description=(
-        "The CRIU binary, 4.2.1 or later (4.1.1 cannot dump TCP/UDP sockets on kernels >= 6.16). It runs inside "
-        "the worker's mount namespace, so the path must resolve there."))] = "criu"
+        "The CRIU binary, 4.2.1 or later (4.1.1 cannot dump TCP/UDP sockets on kernels >= 6.16), as the agent finds "
+        "it (a bare name: on the agent's PATH). It runs inside the worker's namespaces, started by the agent's loader "
+        "with the agent's libraries (those the agent's loader resolves), all handed over as open descriptors, like "
+        "the images and plugin directories: the worker's container needs none of them. A script instead runs by its "
+        "path, which must then resolve in the worker's container."))] = "criu"
     criu_libdir: Annotated[str, Field(description=(
-        "CRIU's plugin directory (--libdir), when not the one compiled into the binary."))] = ""
+        "CRIU's plugin directory (--libdir), a directory of the agent's, handed over as a descriptor. Empty: the one "
+        "compiled into CRIU, looked up in the worker's container."))] = ""
     criu_cuda_plugin: Annotated[bool, Field(description=(
-        "Let CRIU's CUDA plugin run (cuda-checkpoint, i.e. dynsnap-cuda, on CRIU's PATH). Off: the agent saves "
+        "Let CRIU's CUDA plugin run (cuda-checkpoint, i.e. dynsnap-cuda, on CRIU's PATH: the directory of "
+        "--cuda-helper, which must then exist at that path in the worker's container too, unlike everything else "
+        "CRIU uses). Off: the agent saves "
         "every GPU process (every lock before any checkpoint, one helper for all) before the dump and resumes "
         "them after the restore, which the plugin, one pid per exec, cannot do; it would find them checkpointed "
         "and skip them anyway."))] = False

@@ -68,6 +68,7 @@ async def run_command(
     check: bool = True,
     env: Mapping[str, str] | None = None,
     die_with_parent: bool = False,
+    pass_fds: Sequence[int] = (),
 ) -> CommandResult:
     """Run ``argv`` to completion within ``timeout`` seconds.
 
@@ -75,6 +76,7 @@ async def run_command(
     process group is killed and reaped, then :class:`CommandError` (returncode
     None) is raised (or the cancellation propagates). ``die_with_parent`` sets
     ``PR_SET_PDEATHSIG`` to SIGKILL in the child, so it dies if this process dies.
+    ``pass_fds``: open fds of this process the command inherits (every other one is closed in it).
     """
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -84,6 +86,7 @@ async def run_command(
         env=dict(env) if env is not None else None,
         start_new_session=True,
         preexec_fn=_die_with_parent if die_with_parent else None,
+        pass_fds=tuple(pass_fds),
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)

@@ -1,0 +1,165 @@
+"""How the agent names CRIU's files to a CRIU running in a worker's mount namespace
+(dynsnap/agent/criu.py): the loader from the binary's PT_INTERP, the library directories from the
+loader's ``--list``, everything as ``/proc/self/fd/N`` of descriptors opened for the run and closed
+after it; a script by path.
+The real CRIU in a worker without any of it: tests/integration/test_agent_criu_fds.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynsnap.agent.criu import (
+    CriuError,
+    CriuOptions,
+    NotElf,
+    _Files,
+    _launch,
+    elf_interpreter,
+    library_dirs,
+)
+
+
+def _elf(path: Path, *, cls: int, endian: str, interp: bytes | None) -> Path:
+    """A minimal ELF file: header, one program header (PT_INTERP, or PT_LOAD when ``interp`` is None)."""
+    e = "<" if endian == "little" else ">"
+    if cls == 2:
+        ehdr = bytearray(64)
+        phsize, phoff = 56, 64
+        struct.pack_into(e + "Q", ehdr, 0x20, phoff)
+        struct.pack_into(e + "HH", ehdr, 0x36, phsize, 1)
+        ph = bytearray(phsize)
+        data_at = phoff + phsize
+        struct.pack_into(e + "I", ph, 0, 3 if interp else 1)
+        struct.pack_into(e + "Q", ph, 8, data_at)
+        struct.pack_into(e + "Q", ph, 0x20, len(interp or b"") + 1)
+    else:
+        ehdr = bytearray(52)
+        phsize, phoff = 32, 52
+        struct.pack_into(e + "I", ehdr, 0x1C, phoff)
+        struct.pack_into(e + "HH", ehdr, 0x2A, phsize, 1)
+        ph = bytearray(phsize)
+        data_at = phoff + phsize
+        struct.pack_into(e + "I", ph, 0, 3 if interp else 1)
+        struct.pack_into(e + "I", ph, 4, data_at)
+        struct.pack_into(e + "I", ph, 0x10, len(interp or b"") + 1)
+    ehdr[:6] = b"\x7fELF" + bytes([cls, 1 if endian == "little" else 2])
+    path.write_bytes(bytes(ehdr) + bytes(ph) + (interp or b"") + b"\0")
+    return path
+
+
+def _interp_of(path: Path) -> str | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return elf_interpreter(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("cls", "endian"), [(2, "little"), (2, "big"), (1, "little"), (1, "big")])
+def test_elf_interpreter_reads_pt_interp_or_none_for_a_static_binary(tmp_path: Path, cls: int, endian: str) -> None:
+    dynamic = _elf(tmp_path / "dyn", cls=cls, endian=endian, interp=b"/opt/agent/ld.so")
+    static = _elf(tmp_path / "static", cls=cls, endian=endian, interp=None)
+    assert _interp_of(dynamic) == "/opt/agent/ld.so"
+    assert _interp_of(static) is None
+
+
+def test_elf_interpreter_refuses_a_script(tmp_path: Path) -> None:
+    script = tmp_path / "criu"
+    script.write_text("#!/bin/sh\nexec criu \"$@\"\n")
+    with pytest.raises(NotElf):
+        _interp_of(script)
+
+
+def test_library_dirs_in_order_without_the_vdso_or_the_loader() -> None:
+    listing = """\tlinux-vdso.so.1 (0x00007ffd)
+\tlibbsd.so.0 => /opt/criu/lib/libbsd.so.0 (0x00007f01)
+\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f02)
+\tlibnl-3.so.200 => /opt/criu/lib/libnl-3.so.200 (0x00007f03)
+\t/lib64/ld-linux-x86-64.so.2 (0x00007f04)
+"""
+    assert library_dirs(listing) == ["/opt/criu/lib", "/lib/x86_64-linux-gnu"]
+    with pytest.raises(ValueError, match=r"libnet\.so\.1 is not found"):
+        library_dirs("\tlibnet.so.1 => not found\n")
+
+
+def _real_dynamic_binary() -> str:
+    exe = os.path.realpath(sys.executable)
+    fd = os.open(exe, os.O_RDONLY)
+    try:
+        if elf_interpreter(fd) is None:
+            pytest.skip("this Python is linked statically")
+    finally:
+        os.close(fd)
+    return exe
+
+
+def _fd_path(arg: str) -> int:
+    assert arg.startswith("/proc/self/fd/"), arg
+    return int(arg.removeprefix("/proc/self/fd/"))
+
+
+def test_a_dynamic_criu_is_named_by_descriptors_opened_for_the_run(tmp_path: Path) -> None:
+    exe = _real_dynamic_binary()
+    images, plugins = tmp_path / "images", tmp_path / "plugins"
+    images.mkdir()
+    plugins.mkdir()
+    files = _Files()
+    try:
+        at = asyncio.run(_launch(CriuOptions(binary=exe, libdir=str(plugins)), images, files, timeout=30,
+                                 log_path=images / "dump.log"))
+        loader, inhibit, flag, lib_path, argv0_flag, argv0, binary = at.argv
+        assert (inhibit, flag, argv0_flag, argv0) == ("--inhibit-cache", "--library-path", "--argv0", exe)
+        fds = {_fd_path(loader), _fd_path(binary), _fd_path(at.images), _fd_path(str(at.libdir)),
+               *(_fd_path(d) for d in lib_path.split(":"))}
+        assert fds == set(files.fds)
+        with open(exe, "rb") as f:
+            assert os.path.realpath(f"/proc/self/fd/{_fd_path(loader)}") == os.path.realpath(
+                elf_interpreter(f.fileno()) or "")
+        assert os.path.realpath(f"/proc/self/fd/{_fd_path(binary)}") == exe
+        assert os.readlink(at.images) == str(images)
+        assert os.readlink(str(at.libdir)) == str(plugins)
+        assert all(os.get_inheritable(fd) is False for fd in files.fds)  # passed to CRIU's nsenter alone
+    finally:
+        held = list(files.fds)
+        files.close()
+    for fd in held:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_without_a_plugin_directory_none_is_named(tmp_path: Path) -> None:
+    exe = _real_dynamic_binary()
+    files = _Files()
+    try:
+        at = asyncio.run(_launch(CriuOptions(binary=exe), tmp_path, files, timeout=30, log_path=tmp_path / "dump.log"))
+        assert at.libdir is None
+    finally:
+        files.close()
+
+
+def test_a_script_is_run_by_its_paths(tmp_path: Path) -> None:
+    script = tmp_path / "fake_criu"
+    script.write_text("#!/bin/sh\nexec criu \"$@\"\n")
+    script.chmod(0o755)
+    files = _Files()
+    try:
+        opts = CriuOptions(binary=str(script), libdir="/opt/criu/lib/criu")
+        at = asyncio.run(_launch(opts, tmp_path, files, timeout=30, log_path=tmp_path / "dump.log"))
+        assert files.fds == []  # nothing handed over: all by path
+    finally:
+        files.close()
+    assert (at.argv, at.images, at.libdir) == ([str(script)], str(tmp_path), "/opt/criu/lib/criu")
+
+
+def test_a_missing_criu_is_a_criu_error(tmp_path: Path) -> None:
+    files = _Files()
+    with pytest.raises(CriuError, match="No such file"):
+        asyncio.run(_launch(CriuOptions(binary=str(tmp_path / "nope")), tmp_path, files, timeout=30,
+                            log_path=tmp_path / "dump.log"))
+    assert files.fds == []
