@@ -42,7 +42,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import NODES, LocalCluster, RunningPod
+from dynsnap.testenv.cluster import NODES, LocalCluster, RunningPod, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -92,6 +92,18 @@ async def _endpoint_ready(cluster: LocalCluster, pod: RunningPod) -> bool:
     return bool(ep and ep.get("conditions", {}).get("ready") and ep["targetRef"]["uid"] == pod.uid)
 
 
+async def _endpoint_becomes(cluster: LocalCluster, pod: RunningPod, ready: bool) -> bool:
+    """Whether the worker's EndpointSlice endpoint reaches ``ready`` within 30 s. The pod's Ready
+    condition comes first; the EndpointSlice controller follows it a moment later (a check right
+    after the pod turned Ready read the old endpoint under load, once in CI)."""
+    async def reached() -> bool:
+        return await _endpoint_ready(cluster, pod) == ready
+    try:
+        return bool(await wait_for(f"the endpoint ready={ready}", reached, timeout=30, interval=0.2))
+    except TimeoutError:
+        return False
+
+
 async def _cycle(cluster: LocalCluster, env: Env, pod: RunningPod, tier: str) -> dict[str, object]:
     """Quiesce, Suspended, Active, back in serving; returns the asleep WorkerSnapshot."""
     api = cluster.api
@@ -135,7 +147,7 @@ async def test_desired_state_takes_a_worker_through_each_tier_and_back(cluster: 
         conns = established(pod, remote=apiserver_addr(cluster))
         assert conns, "the worker holds TCP connections to the API server (its discovery watches)"
         await quiesce(cluster, pod, serving=False)
-        assert not await _endpoint_ready(cluster, pod)
+        assert await _endpoint_becomes(cluster, pod, ready=False)
         await set_desired(api, pod, "Suspended")
         asleep = await wait_ws(api, pod, "Suspended", state_is("Suspended", suspended=True), agents=env.agents)
         st = asleep["status"]
@@ -167,7 +179,7 @@ async def test_desired_state_takes_a_worker_through_each_tier_and_back(cluster: 
         assert wnames == (["wake", "resume", "settle-active"] if tier == "suspend"
                           else ["wake", "restore", "resume", "settle-active"])
         await quiesce(cluster, pod, serving=True)
-        assert await _endpoint_ready(cluster, pod)
+        assert await _endpoint_becomes(cluster, pod, ready=True)
         assert await _identity(cluster, pod) == before
         assert conns <= established(pod, remote=apiserver_addr(cluster)), \
             "the worker's API-server connections are the same ones after the wake"
