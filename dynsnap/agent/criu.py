@@ -128,7 +128,9 @@ class CriuOptions:
     # in the worker's file system.
     libdir: str | None = None
     # CRIU's work dir (-W), a directory of the worker's file system where CRIU may make and mount its
-    # cgroup yard on a restore (the entrypoint's control directory); None: the images directory.
+    # cgroup yard on a restore (the entrypoint's control directory). None: the images directory by its
+    # agent path, never by descriptor (the yard's mount fails there, "Invalid argument"), so it only
+    # serves where the worker shares the node's file system (the test sandboxes); the agent sets it.
     workdir: str | None = None
 
 
@@ -296,8 +298,7 @@ async def _run(target: NamespaceTarget, images_dir: Path, build: Callable[[_Laun
         argv = [*launch.argv, *build(launch)]
         if launch.libdir:
             argv += ["--libdir", launch.libdir]
-        if opts.workdir:
-            argv += ["-W", opts.workdir]
+        argv += ["-W", opts.workdir or str(images_dir)]
         argv += [*_common(opts), *opts.extra_args]
         t0 = time.monotonic()
         try:
