@@ -26,6 +26,7 @@ EXECUTOR = "dynsnap/agent/executor.py"
 NODE = "dynsnap/agent/node.py"
 CUDA = "dynsnap/agent/cuda.py"
 IMAGES = "dynsnap/agent/images.py"
+CRIU = "dynsnap/agent/criu.py"
 
 FAULTS = "tests/integration/test_agent_faults.py::"
 REFUSALS = "tests/integration/test_agent_refusals.py::"
@@ -36,6 +37,7 @@ LOCK_TIMEOUT = FAULTS + "test_lock_that_never_comes_back_fails_the_capture_and_u
 IO_URING = FAULTS + "test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapped_one"
 BUDGET = FAULTS + "test_capture_over_the_disk_budget_is_refused_before_it_starts"
 PIDFLOOR = "tests/integration/test_agent_pidfloor.py::test_snapshot_is_refused_without_the_pid_reservation"
+CRIU_FDS = "tests/integration/test_agent_criu_fds.py::test_snapshot_wakes_a_worker_whose_container_has_no_criu"
 SERVING = REFUSALS + "test_capture_of_a_worker_still_in_serving_is_refused_until_it_is_quiesced"
 EXEC_SERVING = "tests/native/test_agent_exec.py::test_exec_refuses_a_capture_not_confirmed_out_of_serving"
 WRONG_UID = REFUSALS + "test_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing[uid-of-another-pod]"
@@ -101,6 +103,12 @@ MUTATIONS = (
         "        if used + estimate > self.budget_bytes:\n",
         "        if False:\n",
         tests=[BUDGET]),
+    mutation(
+        "criu-by-path", "CRIU is run by its agent paths inside the worker's mount namespace, not from "
+        "descriptors of the agent's files", CRIU,
+        "        interp = elf_interpreter(files.fds[-1])\n",
+        "        raise NotElf(\"mutant\")\n",
+        tests=[CRIU_FDS]),
 )
 
 SUITE = Suite(
