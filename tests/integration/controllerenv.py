@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 from agentenv import AGENT_NS, AGENT_SA, AgentProc, StubDriver, build_stub_driver, install_dynsnap, token_kubeconfig
@@ -181,16 +181,25 @@ def verified_after(since: str | None) -> Callable[[Obj | None], bool]:
     return check
 
 
-async def wait_ws(env: CtlEnv, pod: RunningPod, what: str, check: Callable[[Obj | None], bool],
+class HasApi(Protocol):
+    """A test environment with the API server's client (CtlEnv here, ctlfaultsenv.Env)."""
+
+    @property
+    def api(self) -> Kube: ...
+
+
+async def wait_ws(env: HasApi, pod: RunningPod, what: str, check: Callable[[Obj | None], bool],
                   timeout: float = 120) -> Obj:
+    """The worker's WorkerSnapshot once ``check`` holds for it, bounded by ``timeout``; on timeout the
+    last one seen is printed whole."""
     async def probe() -> Obj | None:
         ws = await get_ws(env.api, pod)
         return ws if check(ws) else None
     try:
-        ws: Obj = await wait_for(f"{pod.name}: {what}", probe, timeout=timeout, interval=0.3)
+        ws: Obj = await wait_for(f"{pod.name}: {what}", probe, timeout=timeout, interval=0.2)
     except TimeoutError:
         last = await get_ws(env.api, pod)
-        print("LAST STATUS:", yaml.safe_dump((last or {}).get("status")))
+        print("LAST WORKERSNAPSHOT:", yaml.safe_dump(last))
         raise
     return ws
 

@@ -207,12 +207,6 @@ async def set_override(api: Kube, pod: RunningPod, value: str | None) -> None:
 
 # -- reads ---------------------------------------------------------------------------------------------------
 
-async def get_ws(api: Kube, pod: RunningPod) -> Obj | None:
-    with contextlib.suppress(NotFound):
-        return await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-    return None
-
-
 async def get_pod(api: Kube, pod: RunningPod) -> Obj | None:
     with contextlib.suppress(NotFound):
         return await api.get(R.PODS, pod.name, namespace=pod.namespace)
@@ -244,20 +238,6 @@ def verified_wake(ws: Obj | None) -> bool:
     return bool(ws and ws["spec"]["desiredState"] == "Active" and st.get("state") == "Active"
                 and v.get("ok") is True and st.get("lastWake") and v.get("wakeId") == st["lastWake"].get("id")
                 and c and c["status"] == "True")
-
-
-async def wait_ws(env: Env, pod: RunningPod, what: str, check: Callable[[Obj | None], bool],
-                  timeout: float = 120) -> Obj:
-    async def probe() -> Obj | None:
-        ws = await get_ws(env.api, pod)
-        return ws if check(ws) else None
-    try:
-        ws: Obj = await wait_for(f"{pod.name}: {what}", probe, timeout=timeout, interval=0.2)
-    except TimeoutError:
-        last = await get_ws(env.api, pod)
-        print("LAST WORKERSNAPSHOT:", yaml.safe_dump(last))
-        raise
-    return ws
 
 
 async def eventually(what: str, check: Callable[[], Awaitable[Any]], timeout: float = 120) -> Any:

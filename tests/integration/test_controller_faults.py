@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 import pytest
 import yaml
-from controllerenv import cond
+from controllerenv import cond, get_ws, wait_ws
 from ctlfaultsenv import (
     Deployed,
     Env,
@@ -42,7 +42,6 @@ from ctlfaultsenv import (
     eventually,
     gate_path,
     get_pod,
-    get_ws,
     graph_body,
     image_dir,
     pod_condition,
@@ -55,7 +54,6 @@ from ctlfaultsenv import (
     suspended,
     undeploy,
     verified_wake,
-    wait_ws,
     ws_path,
 )
 from faultsenv import gpu_states, helpers_running, pod_procs
