@@ -43,6 +43,7 @@ from agentenv import (
 
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
+from dynsnap.runtime import procfs
 from dynsnap.runtime.command import find_tool
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import HIDDEN_PATHS_ANNOTATION, LocalCluster, RunningPod
@@ -164,16 +165,9 @@ def _in_worker_mount_ns(pod: RunningPod, path: Path) -> bool:
 
 
 def _pod_processes(pod: RunningPod) -> list[int]:
-    pidns = os.stat(f"/proc/{pod.sandbox.pid}/ns/pid").st_ino
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.stat(f"/proc/{entry.name}/ns/pid").st_ino == pidns:
-                    out.append(int(entry.name))
-            except OSError:
-                continue  # gone meanwhile
-    return out
+    pidns = procfs.pid_ns(pod.sandbox.pid)
+    assert pidns is not None, "the pod's sandbox is running"
+    return [p for p in procfs.pids() if procfs.pid_ns(p) == pidns]  # one gone meanwhile: None, left out
 
 
 def _agent_files_held(pod: RunningPod, roots: list[str]) -> list[str]:
