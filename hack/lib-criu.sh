@@ -1,6 +1,8 @@
 # shellcheck shell=bash
 # CRIU $CRIU_VERSION and its CUDA plugin, built from Debian's orig tarball with
-# bookworm's -dev packages, cached under $CACHE/criu-$CRIU_VERSION:
+# bookworm's -dev packages and dynsnap's patches (hack/patches/criu/*.patch, applied in
+# order), cached under $CACHE/criu-$CRIU_VERSION-p<hash of the patches> (exported as
+# DYNSNAP_CRIU_DIR), so a changed patch set is a new build and never a stale binary:
 #   sbin/criu                  the binary (exported as DYNSNAP_CRIU)
 #   lib/criu/cuda_plugin.so    CRIU's CUDA plugin; criu loads it by default from
 #                              here (PLUGINDIR is compiled in)
@@ -12,12 +14,19 @@
 # sha256 of criu_4.2.1.orig.tar.xz as listed in Debian sid's Sources index.
 CRIU_ORIG_SHA256="${CRIU_ORIG_SHA256:-29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9}"
 CRIU_BUILD_DEPS=(
-  gcc make pkg-config xz-utils
+  gcc make patch pkg-config xz-utils
   libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
 )
 
-export DYNSNAP_CRIU="$CACHE/criu-$CRIU_VERSION/sbin/criu"
+# The patches, and why each (docs/CRIU_PATCHES.md):
+#   0001  a private anonymous VMA marked MADV_HUGEPAGE gets the mark before the restorer
+#         reads its pages, not after: 2 MiB faults instead of 4 KiB ones, and the restored
+#         process is on huge pages as when dumped (bench/criu_restore, docs/BENCHMARKS.md).
+CRIU_PATCH_DIR="$ROOT/hack/patches/criu"
+CRIU_PATCH_KEY=$(cat "$CRIU_PATCH_DIR"/*.patch | sha256sum | cut -c1-12)
+export DYNSNAP_CRIU_DIR="$CACHE/criu-$CRIU_VERSION-p$CRIU_PATCH_KEY"
+export DYNSNAP_CRIU="$DYNSNAP_CRIU_DIR/sbin/criu"
 
 _criu_apt_deps() {
   local missing=() p
@@ -68,7 +77,7 @@ _criu_fetch_orig() {
 }
 
 setup_criu() {
-  local out="$CACHE/criu-$CRIU_VERSION"
+  local out="$DYNSNAP_CRIU_DIR"
   if [[ -x "$out/sbin/criu" && -f "$out/lib/criu/cuda_plugin.so" ]]; then
     log "criu $CRIU_VERSION: cached"; return 0
   fi
@@ -81,6 +90,10 @@ setup_criu() {
   mkdir -p "$src" "$out.tmp/sbin" "$out.tmp/lib/criu"
   tar -xf "$CACHE/src/criu_$CRIU_VERSION.orig.tar.xz" -C "$src" --strip-components=1 \
     || die "criu: cannot unpack the orig tarball"
+  local patch
+  for patch in "$CRIU_PATCH_DIR"/*.patch; do
+    patch -d "$src" -p1 --forward --quiet < "$patch" || die "criu: $(basename "$patch") does not apply"
+  done
   # PLUGINDIR is compiled into criu as its default plugin directory, so it names
   # the final path, not the staging one. No docs (asciidoc/xmlto not needed),
   # no libcriu/crit (python packaging); only the binary and the CUDA plugin.

@@ -265,7 +265,7 @@ _images_agent_files() {
   local t="$1" native="$ROOT/native/build"
   # shellcheck disable=SC2153  # DYNSNAP_CRIU: exported by hack/lib-criu.sh
   install -D -m 0755 "$DYNSNAP_CRIU" "$t/usr/local/sbin/criu"
-  install -D -m 0755 "$CACHE/criu-$CRIU_VERSION/lib/criu/cuda_plugin.so" "$t/usr/local/lib/criu/cuda_plugin.so"
+  install -D -m 0755 "$DYNSNAP_CRIU_DIR/lib/criu/cuda_plugin.so" "$t/usr/local/lib/criu/cuda_plugin.so"
   install -D -m 0755 "$native/dynsnap-cuda" "$t/usr/local/bin/dynsnap-cuda"
   ln -sfn dynsnap-cuda "$t/usr/local/bin/cuda-checkpoint"
   install -D -m 0755 "$ROOT/deploy/images/agent/dynsnap-install-node-tools" "$t/usr/local/bin/dynsnap-install-node-tools"
@@ -277,7 +277,7 @@ setup_images() {
   local version; version=$("$DYNSNAP_VENV/bin/python" -c 'import sys,tomllib; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' \
     "$ROOT/pyproject.toml") || die "images: cannot read the version from pyproject.toml"
   local native="$ROOT/native/build"
-  local -a inputs=("$DYNSNAP_CRIU" "$CACHE/criu-$CRIU_VERSION/lib/criu/cuda_plugin.so" "$native/dynsnap-cuda"
+  local -a inputs=("$DYNSNAP_CRIU" "$DYNSNAP_CRIU_DIR/lib/criu/cuda_plugin.so" "$native/dynsnap-cuda"
     "$native/dynsnap-entrypoint" "$ROOT/hack/lib-images.sh" "$ROOT/hack/oci_image.py"
     "$ROOT/deploy/images/agent/dynsnap-install-node-tools")
   local f; for f in "${inputs[@]}"; do [[ -f "$f" ]] || die "images: $f is missing (built earlier in setup)"; done

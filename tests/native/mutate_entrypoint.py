@@ -8,7 +8,7 @@ pid namespaces), with the dev venv's python:
     V=$(ls -td ~/.cache/dynsnap/venv-dev-*/ | head -1)
     $V/bin/python tests/native/mutate_entrypoint.py [--list] [--all-failures] [INDEX|ID ...]
 
-The CRIU rows need CRIU 4.2.1 at ~/.cache/dynsnap/criu-4.2.1 (`./run setup`); without it those
+The CRIU rows need CRIU 4.2.1 at ~/.cache/dynsnap/criu-4.2.1-p* (`./run setup`); without it those
 tests skip and a mutant that only they catch is reported, not passed. tests/mutation/runner.py
 says how a run goes and what each outcome means.
 """

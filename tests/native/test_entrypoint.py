@@ -610,7 +610,15 @@ def test_bad_state_requests_are_refused_and_acknowledged(sandbox: Callable[..., 
     assert sb.control_file()["state"] == "suspending"
 
 
-CRIU = Path(os.environ.get("DYNSNAP_CRIU", Path.home() / ".cache/dynsnap/criu-4.2.1/sbin/criu"))
+def _criu() -> Path:
+    """DYNSNAP_CRIU (./run sets it), else the newest patched build hack/lib-criu.sh left."""
+    if os.environ.get("DYNSNAP_CRIU"):
+        return Path(os.environ["DYNSNAP_CRIU"])
+    built = sorted(Path.home().glob(".cache/dynsnap/criu-4.2.1-p*/sbin/criu"), key=lambda p: p.stat().st_mtime)
+    return built[-1] if built else Path.home() / ".cache/dynsnap/criu-4.2.1-p*/sbin/criu"
+
+
+CRIU = _criu()
 
 
 @pytest.mark.skipif(not CRIU.is_file(), reason=f"CRIU not built at {CRIU} (./run setup builds it)")

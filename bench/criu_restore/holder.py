@@ -1,0 +1,61 @@
+"""A CPU process standing in for the CUDA driver's host copy in a checkpointed worker, for
+bench/criu_restore/thp_restore.py.
+
+It maps N GiB private and anonymous, marks it MADV_HUGEPAGE before touching it (what
+libdynsnap-thp does to the driver's copy), fills it with a pattern where every 1 MiB block
+carries its own index, then idles: every 0.05 s it looks for ``verify`` in its work directory
+and answers in ``verified`` with the pattern check and its AnonHugePages. CRIU dumps it and
+restores it; the restored process answers the same way from where it stopped.
+
+Run: python3 holder.py WORKDIR GIB   (stdio and session are the caller's to detach)
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import time
+
+MIB = 1 << 20
+
+
+def block(i: int, base: bytes) -> bytes:
+    return i.to_bytes(8, "little") + base[8:]
+
+
+def anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def main() -> None:
+    work, gib = sys.argv[1], int(sys.argv[2])
+    size = gib << 30
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    base = bytes(range(256)) * (MIB // 256)
+    for i in range(size // MIB):
+        m[i * MIB:(i + 1) * MIB] = block(i, base)
+    with open(os.path.join(work, "ready.tmp"), "w") as f:
+        json.dump({"pid": os.getpid(), "anon_huge_kib": anon_huge_kib()}, f)
+    os.rename(os.path.join(work, "ready.tmp"), os.path.join(work, "ready"))
+    req = os.path.join(work, "verify")
+    while True:  # ended by the bench's kill; bounded by it
+        if os.path.exists(req):
+            t0 = time.monotonic()
+            bad = [i for i in range(size // MIB) if m[i * MIB:(i + 1) * MIB] != block(i, base)]
+            out = {"pid": os.getpid(), "ok": not bad, "bad_blocks": bad[:10], "verify_s": time.monotonic() - t0,
+                   "anon_huge_kib": anon_huge_kib()}
+            os.unlink(req)
+            with open(os.path.join(work, "verified.tmp"), "w") as f:
+                json.dump(out, f)
+            os.rename(os.path.join(work, "verified.tmp"), os.path.join(work, "verified"))
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()
