@@ -1,0 +1,194 @@
+"""A Dynamo worker whose engine is a small PyTorch model of our own: the GPU process that
+bench/e2e/wake_e2e.py puts to sleep and wakes, and whose answer through the Dynamo frontend ends
+the wake's clock.
+
+No engine package: the weights are plain torch tensors on ``--device`` (an embedding of the
+tokenizer's vocabulary and a stack of square linear layers, ``--gib`` GiB in all), and every token
+it streams is computed there: the state goes through every layer (all the weights are read once
+per token) and the next token is the greedy argmax of the embedding against it. Same weights and
+same prompt give the same answer, so an answer after a wake that differs from the one before the
+sleep means the device memory did not come back as it was.
+
+It registers the way Dynamo's own backends do through the Python API (``register_model`` with
+``ModelInput.Tokens``: the frontend applies the chat template and tokenizes with the model
+directory's tokenizer, here the local environment's tiny model at ``$DYNSNAP_MODEL_DIR``, and
+detokenizes what we stream), serves ``dynamo.backend.generate`` and writes its instance id (the
+decimal the frontend's ``x-dynamo-worker-instance-id`` header pins to) to ``--id-file``.
+
+``--write-weights FILE`` only makes the weights (seeded) and saves them; a worker started with
+``--weights FILE`` loads them from local disk onto the device, as a real engine's cold start does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("e2e-engine")
+GIB = 1 << 30
+SPECIAL = 6  # the tiny tokenizer's special tokens (bos, eos, pad, user, assistant, system): never generated
+
+
+def dtype_for(device: str) -> torch.dtype:
+    # bf16 on the GPU (what a served model holds); fp32 on the CPU, where bf16 GEMV is emulated and slow.
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def layer_count(gib: float, hidden: int, vocab: int, dtype: torch.dtype) -> int:
+    elt = torch.tensor([], dtype=dtype).element_size()
+    return max(1, int((gib * GIB - vocab * hidden * elt) // (hidden * hidden * elt)))
+
+
+def make_weights(gib: float, hidden: int, vocab: int, device: str, seed: int) -> dict[str, Any]:
+    dtype = dtype_for(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    emb = torch.randn(vocab, hidden, generator=g, device=device, dtype=dtype)
+    # std 1/sqrt(hidden) keeps the state's scale through tanh, layer after layer
+    scale = hidden ** -0.5
+    layers = [torch.randn(hidden, hidden, generator=g, device=device, dtype=dtype) * scale
+              for _ in range(layer_count(gib, hidden, vocab, dtype))]
+    return {"emb": emb, "layers": layers, "seed": seed}
+
+
+class TinyLM:
+    """The model: ``emb`` [vocab, hidden] and ``layers`` [hidden, hidden] each, all on one device."""
+
+    def __init__(self, weights: dict[str, Any], device: str) -> None:
+        self.device = torch.device(device)
+        # copy=True: on the CPU too the weights end in the process's own memory, not in the file's
+        # mapped pages (a mmap'd load would otherwise stay a view of the page cache)
+        self.emb: torch.Tensor = weights["emb"].to(self.device, copy=True)
+        self.layers: list[torch.Tensor] = [w.to(self.device, copy=True) for w in weights["layers"]]
+        self.bytes = sum(t.numel() * t.element_size() for t in [self.emb, *self.layers])
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        """``n`` tokens, greedily; the whole loop runs on the device, one sync per token."""
+        vocab = self.emb.shape[0]
+        ids = torch.tensor([t % vocab for t in prompt] or [0], device=self.device)
+        h = self.emb[ids].mean(0)
+        out: list[int] = []
+        for _ in range(n):
+            for w in self.layers:
+                h = torch.tanh(w @ h)
+            logits = (self.emb @ h).float()
+            logits[:SPECIAL] = float("-inf")
+            tok = int(logits.argmax().item())  # the per-token sync: the answer waits for the device
+            out.append(tok)
+            h = h + self.emb[tok]
+        return out
+
+
+def load(args: argparse.Namespace) -> tuple[TinyLM, float]:
+    """The model on the device, and how long that took (the cold start's weights part)."""
+    t0 = time.monotonic()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.weights:
+        # From local disk onto the device: mmap, then one copy per tensor (the page cache's
+        # state is the caller's: wake_e2e.py may drop it first).
+        weights = torch.load(args.weights, map_location="cpu", mmap=True, weights_only=True)
+    else:
+        weights = make_weights(args.gib, args.hidden, args.vocab, args.device, args.seed)
+    model = TinyLM(weights, args.device)
+    del weights
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    loaded = time.monotonic() - t0
+    log.info("model on %s: %d layers, %.2f GiB, loaded in %.2f s", model.device, len(model.layers),
+             model.bytes / GIB, loaded)
+    return model, loaded
+
+
+def write_id(path: str, info: dict[str, Any]) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+async def serve(args: argparse.Namespace, model: TinyLM, loaded: float) -> None:
+    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+    from dynamo.runtime import DistributedRuntime
+
+    t0 = time.monotonic()
+    lock = asyncio.Lock()  # one request on the device at a time: the state is per request, the device is not
+
+    async def generate(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        prompt = list(request.get("token_ids") or [])
+        n = int((request.get("stop_conditions") or {}).get("max_tokens") or args.max_tokens)
+        async with lock:
+            t = time.monotonic()
+            tokens = await asyncio.to_thread(model.generate, prompt, n)
+            log.info("%d tokens on %s in %.3f s", n, model.device, time.monotonic() - t)
+        for i, tok in enumerate(tokens):
+            chunk: dict[str, Any] = {"token_ids": [tok], "index": 0}
+            if i == len(tokens) - 1:
+                chunk["finish_reason"] = "length"
+                chunk["completion_usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                                             "total_tokens": len(prompt) + len(tokens)}
+            yield chunk
+
+    loop = asyncio.get_running_loop()
+    runtime = DistributedRuntime(loop, args.discovery_backend, "tcp")
+    endpoint = runtime.endpoint(args.endpoint)
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, args.model_path,
+                         args.model_name, worker_type=WorkerType.Aggregated)
+    instance = endpoint.connection_id()
+    if args.id_file:
+        write_id(args.id_file, {"instance_id": instance, "pid": os.getpid(), "loaded_s": loaded,
+                                "layers": len(model.layers), "bytes": model.bytes, "device": str(model.device)})
+    log.info("registered %s as instance %d (%.2f s after the model was on the device)", args.model_name, instance,
+             time.monotonic() - t0)
+    await endpoint.serve_endpoint(generate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0, help="weights in GiB (default 1)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--hidden", type=int, default=4096, help="width of each square layer (default 4096)")
+    p.add_argument("--vocab", type=int, default=4096, help="the tokenizer's vocabulary size (default 4096)")
+    p.add_argument("--seed", type=int, default=12)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--weights", help="load the weights from this file (written by --write-weights)")
+    p.add_argument("--write-weights", metavar="FILE", help="make the weights, save them to FILE, exit")
+    p.add_argument("--model-path", default=os.environ.get("DYNSNAP_MODEL_DIR", ""),
+                   help="model directory with the tokenizer (default $DYNSNAP_MODEL_DIR)")
+    p.add_argument("--model-name", default="tiny")
+    p.add_argument("--endpoint", default="dynamo.backend.generate")
+    p.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "file"))
+    p.add_argument("--max-tokens", type=int, default=8, help="when the request names none")
+    p.add_argument("--id-file", help="write {instance_id, ...} here (JSON) once registered")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    if args.write_weights:
+        w = make_weights(args.gib, args.hidden, args.vocab, args.device, args.seed)
+        cpu = {"emb": w["emb"].cpu(), "layers": [t.cpu() for t in w["layers"]], "seed": args.seed}
+        tmp = f"{args.write_weights}.tmp"
+        torch.save(cpu, tmp)
+        os.replace(tmp, args.write_weights)
+        return 0
+    if not args.model_path:
+        p.error("--model-path (or $DYNSNAP_MODEL_DIR) is required: the frontend tokenizes with it")
+    model, loaded = load(args)
+    try:
+        import uvloop
+    except ImportError:  # Dynamo's own backends run on uvloop; the runtime takes any asyncio loop
+        asyncio.run(serve(args, model, loaded))
+    else:
+        uvloop.run(serve(args, model, loaded))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
