@@ -10,8 +10,9 @@
 #
 # Usage (repository root, GPU machine): bench/gpu/agent_h200.sh [sizes] [tiers]
 #   sizes: GiB list (default "1 16"); tiers: default "suspend snapshot"
-# Expects .device/criu (criu + its non-glibc libraries) and .device/wheels (pydantic for the
-# machine's python3) carried. Results in $OUT: agent-<tier>-<gib>.jsonl (every step's JSON line,
+# Expects .device/criu (criu + its non-glibc libraries: bench/gpu/pack_criu.sh) and .device/wheels
+# (pydantic for the machine's python3) carried. CRIU_BUNDLE=.device/criu-stock (pack_criu.sh stock)
+# runs the same with stock CRIU 4.2.1, for the comparison of docs/CRIU_PATCHES.md. Results in $OUT: agent-<tier>-<gib>.jsonl (every step's JSON line,
 # plus a summary line), cold-<gib>.json, agent-summary.json.
 set -uo pipefail
 OUT="${OUT:-/tmp/dynsnap-agent}"
@@ -24,7 +25,8 @@ export PYTHONPATH="/tmp/dynsnap-pydeps:$ROOT"
 # CRIU's own libraries for CRIU only: the wrapper sets LD_LIBRARY_PATH for the criu process; the
 # agent never passes it on (the helpers CRIU could spawn resolve the system's).
 mkdir -p /tmp/dynsnap-criu-bin
-printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$ROOT/.device/criu/lib" "$ROOT/.device/criu/criu" \
+CRIU_BUNDLE="${CRIU_BUNDLE:-.device/criu}"
+printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$ROOT/$CRIU_BUNDLE/lib" "$ROOT/$CRIU_BUNDLE/criu" \
   >/tmp/dynsnap-criu-bin/criu
 chmod +x /tmp/dynsnap-criu-bin/criu
 /tmp/dynsnap-criu-bin/criu --version | head -1
