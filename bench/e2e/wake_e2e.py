@@ -11,7 +11,7 @@ namespace, its control directory on a tmpfs only that namespace sees, only stdio
 Dynamo's file backend (``DYN_DISCOVERY_BACKEND=file``, ``DYN_FILE_KV``): no etcd, no Kubernetes, on
 the GPU machine as here. Its registrations are leases the worker's runtime keeps renewing; a
 suspended worker's process keeps running (only its CUDA calls would block), so it stays registered:
-``--asleep-s 60`` shows it (a CRIU-frozen one lost its lease in ~10 s, docs TESTENV).
+``--asleep-s 60`` shows it (a CRIU-frozen one lost its lease in ~10 s, shared/TESTENV.md).
 
 The pinned requests start when ``exec wake`` has returned with the worker Active, not before: in the
 product the frontend is sent to the worker only once the agent reports it serving (the readiness
@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dynamo_pythonpath:
         dyn_env["PYTHONPATH"] = args.dynamo_pythonpath
     worker_env = dict(dyn_env)
-    worker_env["PYTHONPATH"] = ":".join(x for x in (args.torch_pythonpath, args.dynamo_pythonpath) if x)
+    # Dynamo's packages ahead of torch's, as on the GPU machine (PYTHONPATH ahead of its site-packages)
+    worker_env["PYTHONPATH"] = ":".join(x for x in (args.dynamo_pythonpath, args.torch_pythonpath) if x)
     if stub is not None:
         worker_env.update(cuda_env)
     agent_env = {**os.environ, "PYTHONPATH": ":".join(x for x in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if x)}
