@@ -79,6 +79,15 @@ def willneed(images: Path) -> list[threading.Thread]:
     return threads
 
 
+VMSTAT = ("compact_stall", "compact_fail", "compact_success", "thp_fault_alloc", "thp_fault_fallback",
+          "pgmajfault", "allocstall_normal", "allocstall_movable")
+
+
+def vmstat() -> dict[str, int]:
+    pairs = (line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    return {k: int(v) for k, v in pairs if k in VMSTAT}
+
+
 def sample(args: argparse.Namespace, criu: str, cache: str, root: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix="holder-", dir=root))
     images = work / "images"
@@ -99,17 +108,20 @@ def sample(args: argparse.Namespace, criu: str, cache: str, root: Path) -> dict:
                 threads = willneed(images)
         else:
             warm(images)
+        vm0 = vmstat()
         restore_s = run([criu, "restore", "-D", str(images), "-o", "restore.log", "--restore-detached",
                          "--pidfile", str(work / "restored.pid")], 300)
         for t in threads:
             t.join(timeout=300)
+        vm1 = vmstat()
         restored = int((work / "restored.pid").read_text())
         (work / "verify").touch()
         verified = wait_file(work / "verified", 300)
         return {"criu": "patched" if criu == args.patched else "stock", "cache": cache, "gib": args.gib,
                 "dump_s": round(dump_s, 3), "restore_s": round(restore_s, 3), "image_bytes": img_bytes,
                 "huge_kib_before": ready["anon_huge_kib"], "huge_kib_after": verified["anon_huge_kib"],
-                "ok": verified["ok"], "bad_blocks": verified["bad_blocks"]}
+                "ok": verified["ok"], "bad_blocks": verified["bad_blocks"],
+                "vmstat_during_restore": {k: vm1[k] - vm0[k] for k in vm1 if k in vm0}}
     finally:
         for pid in (holder.pid, restored):
             if pid:
