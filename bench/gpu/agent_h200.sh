@@ -12,7 +12,10 @@
 #   sizes: GiB list (default "1 16"); tiers: default "suspend snapshot"
 # Expects .device/criu (criu + its non-glibc libraries: bench/gpu/pack_criu.sh) and .device/wheels
 # (pydantic for the machine's python3) carried. CRIU_BUNDLE=.device/criu-stock (pack_criu.sh stock)
-# runs the same with stock CRIU 4.2.1, for the comparison of docs/CRIU_PATCHES.md. Results in $OUT: agent-<tier>-<gib>.jsonl (every step's JSON line,
+# runs the same with stock CRIU 4.2.1, for the comparison of docs/CRIU_PATCHES.md. Also from the
+# environment: TAG (appended to every result file's name, so two runs share one $OUT),
+# DROP_BEFORE_WAKE=1 (drop the page cache between capture and wake: a wake from a cold cache),
+# COLD_START=0 (skip the cold starts). Results in $OUT: agent-<tier>-<gib>.jsonl (every step's JSON line,
 # plus a summary line), cold-<gib>.json, agent-summary.json.
 set -uo pipefail
 OUT="${OUT:-/tmp/dynsnap-agent}"
@@ -25,7 +28,9 @@ export PYTHONPATH="/tmp/dynsnap-pydeps:$ROOT"
 # CRIU's own libraries for CRIU only: the wrapper sets LD_LIBRARY_PATH for the criu process; the
 # agent never passes it on (the helpers CRIU could spawn resolve the system's).
 mkdir -p /tmp/dynsnap-criu-bin
-CRIU_BUNDLE="${CRIU_BUNDLE:-.device/criu}"
+CRIU_BUNDLE="${CRIU_BUNDLE:-.device/criu}"; TAG="${TAG:-}"
+DROP_BEFORE_WAKE="${DROP_BEFORE_WAKE:-0}"; COLD_START="${COLD_START:-1}"
+echo "CRIU bundle $CRIU_BUNDLE: $(cat "$ROOT/$CRIU_BUNDLE/VERSION" 2>/dev/null || echo unversioned)"
 printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$ROOT/$CRIU_BUNDLE/lib" "$ROOT/$CRIU_BUNDLE/criu" \
   >/tmp/dynsnap-criu-bin/criu
 chmod +x /tmp/dynsnap-criu-bin/criu
@@ -64,10 +69,12 @@ for gib in $SIZES; do
     for _ in $(seq 1 900); do [[ -f $w/ctl/out ]] && break; sleep 0.2; done
     ready=$(cat "$w/ctl/out" 2>/dev/null); echo "[$tier $gib GiB] entrypoint $ep, worker: $ready"
     u0=$(used)
-    t0=$(date +%s.%N); agent "$w" "$uid" "$ep" capture "$tier" >"$OUT/agent-$tier-$gib.jsonl" 2>"$w/capture.err"; crc=$?
+    t0=$(date +%s.%N); agent "$w" "$uid" "$ep" capture "$tier" >"$OUT/agent-$tier-$gib$TAG.jsonl" 2>"$w/capture.err"; crc=$?
     t1=$(date +%s.%N); u1=$(used)
     img=$(du -sb "$w/images" 2>/dev/null | cut -f1); img=${img:-0}
-    t2=$(date +%s.%N); agent "$w" "$uid" "$ep" wake "$tier" >>"$OUT/agent-$tier-$gib.jsonl" 2>"$w/wake.err"; wrc=$?
+    dropped=false
+    [[ $DROP_BEFORE_WAKE == 1 ]] && sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null && dropped=true
+    t2=$(date +%s.%N); agent "$w" "$uid" "$ep" wake "$tier" >>"$OUT/agent-$tier-$gib$TAG.jsonl" 2>"$w/wake.err"; wrc=$?
     t3=$(date +%s.%N); u2=$(used)
     check=$(ask "$w/ctl" check)
     echo "[$tier $gib GiB] capture rc=$crc $(python3 -c "print(round($t1-$t0,3))") s, wake rc=$wrc \
@@ -75,15 +82,17 @@ $(python3 -c "print(round($t3-$t2,3))") s, used MiB $u0 -> $u1 -> $u2, check: $c
     [[ $crc -ne 0 ]] && tail -5 "$w/capture.err"
     [[ $wrc -ne 0 ]] && tail -5 "$w/wake.err"
     summary+=("{\"tier\":\"$tier\",\"gib\":$gib,\"capture_rc\":$crc,\"wake_rc\":$wrc,\"capture_s\":$(python3 -c "print($t1-$t0)"),\
-\"wake_s\":$(python3 -c "print($t3-$t2)"),\"used_mib\":[$u0,$u1,$u2],\"image_bytes\":$img,\"check\":\"$check\"}")
+\"wake_s\":$(python3 -c "print($t3-$t2)"),\"cache_dropped_before_wake\":$dropped,\
+\"criu\":\"$(cat "$ROOT/$CRIU_BUNDLE/VERSION" 2>/dev/null)\",\"used_mib\":[$u0,$u1,$u2],\"image_bytes\":$img,\"check\":\"$check\"}")
     ask "$w/ctl" quit >/dev/null &
     sleep 1; kill -9 "$ushare" 2>/dev/null; pkill -9 -f "worker.py --gib $gib --ctl $w/ctl" 2>/dev/null
     wait "$ushare" 2>/dev/null
     for f in "$w"/images/*/*/dump.log "$w"/images/*/*/restore.log "$w"/images/*/.staging-*/dump.log; do
-      [[ -f $f ]] && { echo "== $tier $gib GiB: $f"; grep -iE "error|warn" "$f" | tail -20; tail -2 "$f"; } >>"$OUT/criu.log"
+      [[ -f $f ]] && { echo "== $tier $gib GiB: $f"; grep -iE "error|warn" "$f" | tail -20; tail -2 "$f"; } >>"$OUT/criu$TAG.log"
     done
-    { echo "== $tier $gib GiB"; cat "$w/capture.err" "$w/wake.err"; tail -20 "$w/container.log"; } >>"$OUT/stderr.log"
+    { echo "== $tier $gib GiB"; cat "$w/capture.err" "$w/wake.err"; tail -20 "$w/container.log"; } >>"$OUT/stderr$TAG.log"
   done
+  [[ $COLD_START == 1 ]] || continue
   # Cold start of the same process: a fresh python3 loads the same bytes from local disk onto the GPU.
   # Rep 1 after dropping the page cache (when the machine lets us), reps 2-3 from a warm cache.
   python3 bench/gpu/cold_start.py --gib "$gib" --file "/tmp/dynsnap-cold-$gib.bin" --write >/dev/null
@@ -99,5 +108,5 @@ $(python3 -c "print(round($t3-$t2,3))") s, used MiB $u0 -> $u1 -> $u2, check: $c
   done
   rm -f "/tmp/dynsnap-cold-$gib.bin"
 done
-printf '%s\n' "${summary[@]}" >"$OUT/agent-summary.jsonl"
-cat "$OUT/agent-summary.jsonl"
+printf '%s\n' "${summary[@]}" >"$OUT/agent-summary$TAG.jsonl"
+cat "$OUT/agent-summary$TAG.jsonl"

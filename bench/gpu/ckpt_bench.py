@@ -8,7 +8,10 @@ with its exact command line. A section that fails records its error and the
 next one still runs.
 
     python3 bench/gpu/ckpt_bench.py --bin native/build/dynsnap-cuda --out DIR \
-        [--sections smoke,sizes,maps,overlap,pair10,busy] [--sizes 1,4,16,64]
+        [--sections smoke,sizes,maps,overlap,pair10,busy] [--sizes 1,4,16,64] [--preload LIB]
+
+``--preload native/build/libdynsnap-thp.so`` starts every worker with that library in its
+LD_PRELOAD, as dynsnap-entrypoint starts a worker by default (the driver's host copy on huge pages).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ GIB = 1 << 30
 
 
 class Bench:
-    def __init__(self, binary: str, out: Path) -> None:
+    def __init__(self, binary: str, out: Path, preload: str = "") -> None:
         self.bin = binary
+        self.preload = preload
         self.out = out
         self.log = (out / "bench.log").open("a", buffering=1)
         self.results: dict = {}
@@ -60,9 +64,12 @@ class Bench:
 
     def worker(self, gib: int, seed: int) -> subprocess.Popen:
         t0 = time.monotonic()
+        env = dict(os.environ)
+        if self.preload:
+            env["LD_PRELOAD"] = ":".join(x for x in (self.preload, env.get("LD_PRELOAD", "")) if x)
         p = subprocess.Popen([sys.executable, str(HERE / "worker.py"), "--gib", str(gib),
                               "--seed", str(seed)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         line = p.stdout.readline()  # type: ignore[union-attr]
         if not line.startswith("ready"):
             raise RuntimeError(f"worker did not start: {line!r}")
@@ -278,10 +285,12 @@ def main() -> None:
     ap.add_argument("--sections", default="smoke,sizes,maps,overlap,pair10,busy")
     ap.add_argument("--sizes", default="1,4,16,64")
     ap.add_argument("--reps", type=int, default=1, help="save/resume cycles per size")
+    ap.add_argument("--preload", default="", help="a library for every worker's LD_PRELOAD (libdynsnap-thp.so)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    b = Bench(os.path.abspath(a.bin), out)
+    b = Bench(os.path.abspath(a.bin), out, os.path.abspath(a.preload) if a.preload else "")
+    b.results["preload"] = b.preload
     env = {k: subprocess.run(c, shell=True, capture_output=True, text=True).stdout.strip()
            for k, c in {"nvidia_smi": "nvidia-smi --query-gpu=name,uuid,driver_version,memory.total "
                                       "--format=csv,noheader",
