@@ -1,13 +1,14 @@
 """A CPU process standing in for the CUDA driver's host copy in a checkpointed worker, for
-bench/criu_restore/thp_restore.py.
+bench/criu_restore/thp_restore.py, restore_log_timing.sh and tests/native/test_criu_patches.py.
 
 It maps N GiB private and anonymous, marks it MADV_HUGEPAGE before touching it (what
 libdynsnap-thp does to the driver's copy), fills it with a pattern where every 1 MiB block
 carries its own index, then idles: every 0.05 s it looks for ``verify`` in its work directory
 and answers in ``verified`` with the pattern check and its AnonHugePages. CRIU dumps it and
-restores it; the restored process answers the same way from where it stopped.
+restores it; the restored process answers the same way from where it stopped. It ends when its
+caller kills it, or after an hour.
 
-Run: python3 holder.py WORKDIR GIB   (stdio and session are the caller's to detach)
+Run: python3 holder.py WORKDIR MIB   (stdio and session are the caller's to detach)
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def anon_huge_kib() -> int:
 
 
 def main() -> None:
-    work, gib = sys.argv[1], int(sys.argv[2])
-    size = gib << 30
+    work, mib = sys.argv[1], int(sys.argv[2])
+    size = mib << 20
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_HUGEPAGE)
     base = bytes(range(256)) * (MIB // 256)
@@ -44,7 +45,7 @@ def main() -> None:
         json.dump({"pid": os.getpid(), "anon_huge_kib": anon_huge_kib()}, f)
     os.rename(os.path.join(work, "ready.tmp"), os.path.join(work, "ready"))
     req = os.path.join(work, "verify")
-    while True:  # ended by the bench's kill; bounded by it
+    for _ in range(int(3600 / 0.05)):  # the caller kills it; an hour at most
         if os.path.exists(req):
             t0 = time.monotonic()
             bad = [i for i in range(size // MIB) if m[i * MIB:(i + 1) * MIB] != block(i, base)]

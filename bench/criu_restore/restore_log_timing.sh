@@ -8,7 +8,7 @@ set -euo pipefail
 CRIU=$1; DUMPER=${2:-$1}
 W=$(mktemp -d /var/tmp/restore-timing-XXXX); mkdir -m 0700 "$W/img"
 trap 'rm -rf "$W"' EXIT
-setsid python3 "$(dirname "$0")/holder.py" "$W" 4 </dev/null >/dev/null 2>&1 &
+setsid python3 "$(dirname "$0")/holder.py" "$W" 4096 </dev/null >/dev/null 2>&1 &
 for _ in $(seq 600); do [[ -f $W/ready ]] && break; sleep 0.2; done
 PID=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['pid'])" "$W/ready")
 "$DUMPER" dump -t "$PID" -D "$W/img" -o dump.log

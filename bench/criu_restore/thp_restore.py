@@ -92,7 +92,7 @@ def sample(args: argparse.Namespace, criu: str, cache: str, root: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix="holder-", dir=root))
     images = work / "images"
     images.mkdir(mode=0o700)
-    holder = subprocess.Popen([sys.executable, str(HERE / "holder.py"), str(work), str(args.gib)],
+    holder = subprocess.Popen([sys.executable, str(HERE / "holder.py"), str(work), str(args.gib << 10)],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True, cwd=work)
     restored = 0

@@ -22,44 +22,11 @@ from pathlib import Path
 
 import pytest
 
-MIB = 1 << 20
 SIZE_MIB = 64  # 32 huge pages
 
-HOLDER = """
-import json, mmap, os, sys, time
-work, size = sys.argv[1], int(sys.argv[2]) << 20
-m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-m.madvise(mmap.MADV_HUGEPAGE)
-addr = None
-for i in range(size >> 20):
-    m[i << 20:(i + 1) << 20] = i.to_bytes(8, "little") * (1 << 17)
-
-def huge_kib():
-    # the AnonHugePages of the one mapping of exactly `size` bytes (ours)
-    kib, cur = 0, None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5:
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                cur = (hi - lo) == size
-            elif cur and head[0] == "AnonHugePages:":
-                kib += int(head[1])
-    return kib
-
-def answer(name, extra):
-    with open(os.path.join(work, name + ".tmp"), "w") as f:
-        json.dump({"pid": os.getpid(), "huge_kib": huge_kib()} | extra, f)
-    os.rename(os.path.join(work, name + ".tmp"), os.path.join(work, name))
-
-answer("ready", {})
-for _ in range(20 * 600):  # 10 minutes at most
-    if os.path.exists(os.path.join(work, "verify")):
-        os.unlink(os.path.join(work, "verify"))
-        ok = all(m[i << 20:(i + 1) << 20] == i.to_bytes(8, "little") * (1 << 17) for i in range(size >> 20))
-        answer("verified", {"ok": ok})
-    time.sleep(0.05)
-"""
+# The process the CRIU restore bench dumps and restores (a MADV_HUGEPAGE mapping with a pattern, its
+# AnonHugePages and a pattern check on request), as tests/gpu runs bench/gpu/worker.py.
+HOLDER = Path(__file__).resolve().parents[2] / "bench" / "criu_restore" / "holder.py"
 
 
 def _criu() -> Path:
@@ -89,17 +56,16 @@ def test_a_hugepage_mapping_is_restored_on_huge_pages(tmp_path: Path) -> None:
     if _thp_mode() == "never":
         pytest.skip("transparent huge pages are off on this kernel ('never'): nothing to restore onto")
     criu = _criu()
-    (tmp_path / "holder.py").write_text(HOLDER)
     images = tmp_path / "images"
     images.mkdir(mode=0o700)
-    holder = subprocess.Popen([sys.executable, str(tmp_path / "holder.py"), str(tmp_path), str(SIZE_MIB)],
+    holder = subprocess.Popen([sys.executable, str(HOLDER), str(tmp_path), str(SIZE_MIB)],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True, cwd=tmp_path)
     restored = 0
     try:
         before = _wait(tmp_path / "ready")
-        if before["huge_kib"] < SIZE_MIB * 1024 // 2:
-            pytest.skip(f"the kernel gave the live process only {before['huge_kib']} KiB of huge pages "
+        if before["anon_huge_kib"] < SIZE_MIB * 1024 // 2:
+            pytest.skip(f"the kernel gave the live process only {before['anon_huge_kib']} KiB of huge pages "
                         "(fragmented memory): nothing to compare the restore with")
         subprocess.run([str(criu), "dump", "-t", str(holder.pid), "-D", str(images), "-o", "dump.log"],
                        check=True, timeout=120, stdin=subprocess.DEVNULL)
@@ -114,7 +80,7 @@ def test_a_hugepage_mapping_is_restored_on_huge_pages(tmp_path: Path) -> None:
         assert after["ok"], "the restored mapping's bytes differ from the dumped ones"
         # Right after the restore, before khugepaged could collapse anything: on huge pages as
         # when dumped (stock CRIU: 0 KiB here).
-        assert after["huge_kib"] >= before["huge_kib"] * 9 // 10, (before, after)
+        assert after["anon_huge_kib"] >= before["anon_huge_kib"] * 9 // 10, (before, after)
     finally:
         for pid in (holder.pid, restored):
             if pid:
