@@ -8,7 +8,7 @@ with its exact command line. A section that fails records its error and the
 next one still runs.
 
     python3 bench/gpu/ckpt_bench.py --bin native/build/dynsnap-cuda --out DIR \
-        [--sections smoke,sizes,maps,overlap,pair10,busy] [--sizes 1,4,16,64] [--preload LIB]
+        [--sections smoke,sizes,maps,overlap,pair10,busy,helpercost] [--sizes 1,4,16,64] [--preload LIB]
 
 ``--preload native/build/libdynsnap-thp.so`` starts every worker with that library in its
 LD_PRELOAD, as dynsnap-entrypoint starts a worker by default (the driver's host copy on huge pages).
@@ -53,7 +53,7 @@ class Bench:
         t0 = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         wall = time.monotonic() - t0
-        per_pid = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+        per_pid = [r for r in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")) if "pid" in r]
         self.say(f"$ {shlex.join(['dynsnap-cuda', *args])}  -> rc={p.returncode} {wall:.3f}s")
         if p.stderr.strip():
             self.say(f"  stderr: {p.stderr.strip()}")
@@ -252,6 +252,32 @@ def sec_memcost(b: Bench, gib: int, reps: int) -> dict:
             "cmd": f"dynsnap-cuda --action save|resume --pid PID [--skip-mem]  ({gib} GiB worker)"}
 
 
+def sec_helpercost(b: Bench, gib: int, reps: int) -> dict:
+    """What one helper call costs the agent beyond the driver's work: ``--get-state`` (the agent's
+    observation before every step, one call per GPU pid), ``--mem-info`` (what the agent ran before
+    and after every save and resume until the helper printed its own ``gpus`` line), and the
+    save/resume walls beside their driver times."""
+    p = b.worker(gib, seed=71)
+    pid = str(p.pid)
+    walls: dict[str, list[float]] = {k: [] for k in ("get_state_running", "mem_info", "get_state_checkpointed")}
+    for _ in range(reps):
+        walls["get_state_running"].append(b.cli("--get-state", "--pid", pid)["wall_s"])
+        walls["mem_info"].append(b.cli("--mem-info")["wall_s"])
+    s = b.cli("--action", "save", "--pid", pid, "--json")
+    for _ in range(reps):
+        walls["get_state_checkpointed"].append(b.cli("--get-state", "--pid", pid)["wall_s"])
+    r = b.cli("--action", "resume", "--pid", pid, "--json")
+    ok = s["rc"] == 0 and r["rc"] == 0 and b.check(p)
+    gpus = [json.loads(x) for x in (s["stdout"] + r["stdout"]).splitlines() if x.startswith('{"gpus"')]
+    b.stop_workers()
+    return {"gib": gib, "reps": reps, "all_ok": ok, "walls_s": walls,
+            "median_s": {k: statistics.median(v) for k, v in walls.items()},
+            "save_wall_minus_driver_s": s["wall_s"] - sum(ms(s, "lock") + ms(s, "checkpoint")) / 1e3,
+            "resume_wall_minus_driver_s": r["wall_s"] - sum(ms(r, "restore") + ms(r, "unlock")) / 1e3,
+            "gpus_lines": gpus,
+            "cmd": f"dynsnap-cuda --get-state --pid {pid} | --mem-info  ({reps}x each; {gib} GiB worker)"}
+
+
 def sec_busy(b: Bench, spin_s: float, timeout_ms: int) -> dict:
     busy, idle = b.worker(2, seed=51), b.worker(2, seed=52)
     pids = f"{busy.pid},{idle.pid}"
@@ -306,6 +332,7 @@ def main() -> None:
         "overlap": lambda: sec_overlap(b, gib=8, reps=3),
         "pair10": lambda: sec_pair10(b, gib=4, reps=10),
         "busy": lambda: sec_busy(b, spin_s=20, timeout_ms=3000),
+        "helpercost": lambda: sec_helpercost(b, gib=1, reps=10),
     }
     for name in a.sections.split(","):
         b.say(f"=== {name}")

@@ -119,7 +119,7 @@ class Runner:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                            env={**os.environ, **env} if env else None)
         wall = time.monotonic() - t0
-        js = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+        js = [r for r in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")) if "pid" in r]
         self.b.say(f"$ {label}  -> rc={p.returncode} {wall:.3f}s {p.stdout.strip()[:400]}")
         if p.stderr.strip():
             self.b.say(f"  stderr: {p.stderr.strip()[:1000]}")

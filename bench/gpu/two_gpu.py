@@ -241,7 +241,7 @@ class Driver:
         except subprocess.TimeoutExpired as e:
             rc, out, err = -9, str(e.stdout or ""), f"timed out after {timeout} s"
         wall = time.monotonic() - t0
-        per_pid = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        per_pid = [r for r in (json.loads(x) for x in out.splitlines() if x.startswith("{")) if "pid" in r]
         shown = shlex.join(["dynsnap-cuda", *args])
         self.say(f"$ {shown}  -> rc={rc} {wall:.3f}s")
         if err:

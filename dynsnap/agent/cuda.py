@@ -88,15 +88,26 @@ class CudaHelper:
     async def action(self, action: str, pids: Sequence[HostPid], *, marker: str | None = None,
                      extra: Sequence[str] = ()) -> list[dict[str, Any]]:
         """Run ``--action`` for every pid in one helper; the per-pid JSON records on success."""
+        records, _ = await self.action_measured(action, pids, marker=marker, extra=extra)
+        return records
+
+    async def action_measured(self, action: str, pids: Sequence[HostPid], *, marker: str | None = None,
+                              extra: Sequence[str] = ()) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """:meth:`action`, and each GPU's free memory before and after it as the helper read it
+        around its driver calls (its ``{"gpus": [...]}`` line, for save and resume): status
+        ``gpus`` entries ``{"uuid", "freeBefore", "freeAfter"}``, empty where it read none."""
         if not pids:
-            return []
+            return [], []
         args = ["--action", action, "--pid", ",".join(str(p) for p in pids), "--json", *extra]
         if action in ("save", "lock"):
             args += ["--timeout", str(self.lock_timeout_ms)]
-        rc, records, err = await self._run(args, marker=marker)
+        rc, lines, err = await self._run(args, marker=marker)
+        records = [r for r in lines if "pid" in r]
         if rc != 0:
             raise CudaError(f"dynsnap-cuda {action} exited {rc}: {err or records}", returncode=rc, records=records)
-        return records
+        gpus: list[Any] = next((r["gpus"] for r in lines if isinstance(r.get("gpus"), list)), [])
+        return records, [{"uuid": str(g["uuid"]), "freeBefore": g.get("free_before"), "freeAfter": g.get("free_after")}
+                         for g in gpus if isinstance(g, dict) and g.get("uuid")]
 
     async def states(self, pids: Sequence[HostPid]) -> dict[HostPid, str]:
         """The driver's checkpoint state of each pid (running, locked, checkpointed, failed), or

@@ -569,6 +569,56 @@ static void drop_records(void)
 
 /* ---- output ---- */
 
+/* Each GPU's free memory before and after the call, for the agent's status
+ * ("gpus": freeBefore/freeAfter), printed by --json as one last line
+ * {"gpus":[...]} next to the per-pid records. Read here, around the driver
+ * calls, so that the agent needs no --mem-info helpers of its own before and
+ * after: each is a process start, a driver load and an NVML init, 0.19 s on
+ * the H200, twice per wake and per capture (docs/BENCHMARKS.md, "The agent's
+ * fixed cost of a wake"). */
+static struct {
+	int on;
+	long long before[MAX_DEVS], after[MAX_DEVS];
+	signed char src_before[MAX_DEVS], src_after[MAX_DEVS];
+} gmem;
+
+static void gpus_line(const long long *before, const signed char *src_before, const long long *after,
+		      const signed char *src_after)
+{
+	for (int d = 0; d < ndev; d++) {
+		gmem.before[d] = before[d];
+		gmem.src_before[d] = src_before[d];
+		gmem.after[d] = after[d];
+		gmem.src_after[d] = src_after[d];
+	}
+	gmem.on = ndev > 0;
+}
+
+static void print_gpus_json(void)
+{
+	if (!gmem.on)
+		return;
+	printf("{\"gpus\":[");
+	for (int d = 0; d < ndev; d++) {
+		char u[64];
+
+		gpu_uuid_format(&dev_uuid[d], u, sizeof(u));
+		printf("%s{\"index\":%d,\"uuid\":\"%s\",\"free_before\":", d ? "," : "", d, u);
+		if (gmem.before[d] >= 0)
+			printf("%lld", gmem.before[d]);
+		else
+			printf("null");
+		printf(",\"free_after\":");
+		if (gmem.after[d] >= 0 && gmem.src_after[d] == gmem.src_before[d])
+			printf("%lld", gmem.after[d]);
+		else
+			printf("null");
+		printf(",\"source\":\"%s\"}", gmem.src_before[d] == SRC_NVML ? "nvml" :
+						 gmem.src_before[d] == SRC_CUDA ? "cuda" : "none");
+	}
+	printf("]}\n");
+}
+
 /* Set when the whole action was refused before any state change (free memory):
  * every pid's JSON record then says ok:false with this reason. */
 static char refusal[256];
@@ -605,6 +655,7 @@ static void print_json(const char *action)
 			printf("null");
 		printf("}\n");
 	}
+	print_gpus_json();
 	fflush(stdout);
 }
 
@@ -930,6 +981,8 @@ int main(int argc, char **argv)
 	}
 	for (int i = 0; i < njobs; i++)
 		get_state(jobs[i].pid, &jobs[i].state_before);
+	int restore_sampled = 0;
+
 	if (is_restore && !force && !skip_mem && enumerate_devices() == 0) {
 		int have = read_records(need);
 
@@ -940,6 +993,7 @@ int main(int argc, char **argv)
 		}
 		if (have) {
 			sample_free(free_before, src_before);
+			restore_sampled = 1;
 			for (int d = 0; d < ndev; d++) {
 				char u[64];
 
@@ -962,6 +1016,12 @@ int main(int argc, char **argv)
 
 	int is_ckpt = first == OP_CHECKPOINT || second == OP_CHECKPOINT, rolled_back = 0;
 	int have_dev = is_ckpt && !skip_mem && enumerate_devices() == 0, sampled = 0;
+	/* The "gpus" line of a restore: its reading before (the free-memory
+	 * check's, or one now) and one after. */
+	int restore_line = is_restore && json && !skip_mem && enumerate_devices() == 0;
+
+	if (restore_line && !restore_sampled)
+		sample_free(free_before, src_before);
 
 	if (second == OP_CHECKPOINT) {
 		/* save: every lock before any checkpoint. A rank checkpointed
@@ -1021,6 +1081,15 @@ int main(int argc, char **argv)
 		for (int i = 0; i < njobs; i++)
 			if (njobs == 1)
 				jobs[i].bytes = total;
+		if (json)
+			gpus_line(free_before, src_before, free_after, src_after);
+	}
+	if (restore_line) {
+		long long free_after[MAX_DEVS];
+		signed char src_after[MAX_DEVS];
+
+		sample_free(free_after, src_after);
+		gpus_line(free_before, src_before, free_after, src_after);
 	}
 	if (is_restore) {
 		for (int d = 0; d < ndev && njobs == 1; d++)

@@ -93,7 +93,18 @@ class Result:
     err: str
 
     def json(self) -> list[dict]:
+        """Every JSON line but the ``{"gpus": [...]}`` one (the per-pid records; --mem-info's lines)."""
+        return [r for r in self.lines() if "gpus" not in r]
+
+    def lines(self) -> list[dict]:
         return [json.loads(line) for line in self.out.splitlines()]
+
+    def gpus(self) -> list[dict] | None:
+        """The ``{"gpus": [...]}`` line of a --json save or resume: each GPU's free memory before and
+        after the call; None when the helper printed none."""
+        found = [r["gpus"] for r in self.lines() if "gpus" in r]
+        assert len(found) <= 1, self.out
+        return found[0] if found else None
 
 
 class Stub:

@@ -113,6 +113,17 @@ MUTATIONS = (
         "!j->skipped ? \"true\"",
         more=[Edit(C, "\t\telse if (refusal[0])\n\t\t\tprintf(\"\\\"%s\\\"\", refusal);\n", "")],
         tests=TESTS, k=K),
+    mutation(
+        "gpus-line-after-is-before", "the `gpus` line of a resume reports the reading before as the one after", C,
+        "\t\tsample_free(free_after, src_after);\n\t\tgpus_line(free_before, src_before, free_after, src_after);",
+        "\t\tsample_free(free_after, src_after);\n\t\tgpus_line(free_before, src_before, free_before, src_before);",
+        tests=TESTS, k=K),
+    mutation(
+        "gpus-line-on-refusal", "a refused resume prints a `gpus` line though nothing was done", C,
+        "\t\t\t\t\tjobs[i].state_after = jobs[i].state_before;\n\t\t\t\tif (json)",
+        "\t\t\t\t\tjobs[i].state_after = jobs[i].state_before;\n"
+        "\t\t\t\tgpus_line(free_before, src_before, free_before, src_before);\n\t\t\t\tif (json)",
+        tests=TESTS, k=K),
 )
 
 

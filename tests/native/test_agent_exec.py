@@ -22,6 +22,7 @@ from dynsnap.testenv.dynsnap_parts import StubDriver, build_stub_driver
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = Path(os.environ.get("DYNSNAP_NATIVE_BIN", ROOT / "native" / "build"))
+GPU_UUID = "GPU-28fd6b9c-4fb2-cd33-0776-4018cd000d99"
 COUNTER = """
 import os, sys, time
 ctl = sys.argv[1]
@@ -137,6 +138,28 @@ def test_exec_captures_and_wakes_without_kubernetes(container: tuple[Container, 
     assert c.counting() and c.count() > before
     assert set(driver.states().values()) == {0}  # every GPU process running again
     assert not any((tmp_path / "images").rglob("*.img")), "the woken-from images are deleted"
+
+
+def test_exec_records_each_gpus_free_memory_as_the_helper_read_it(container: tuple[Container, StubDriver],
+                                                                  tmp_path: Path) -> None:
+    """The save and resume steps record each GPU's free memory before and after (status ``gpus``)
+    from the helper's own reading around its driver calls, not from helpers of their own."""
+    c, driver = container
+    gib = 1 << 30
+    (driver.state_dir / "devices").write_text(f"{GPU_UUID.removeprefix('GPU-').replace('-', '')} {10 * gib} "
+                                              f"{80 * gib}\n")
+    worker = int(Path(f"/proc/{c.entrypoint}/task/{c.entrypoint}/children").read_text().split()[0])
+    driver.control(f"mem {worker} 0 {4 * gib}")  # its checkpoint frees 4 GiB, its restore takes them
+    uid = str(uuid.uuid4())
+    rc, out = _exec(tmp_path, driver, c, uid, "capture", "suspend", "--quiesced")
+    assert rc == 0 and out[-1]["outcome"] == "ok", out
+    (save,) = [o for o in out if o.get("step") == "save"]
+    assert save["gpus"] == [{"uuid": GPU_UUID, "freeBefore": 10 * gib, "freeAfter": 14 * gib}], save
+    rc, out = _exec(tmp_path, driver, c, uid, "wake", "suspend")
+    assert rc == 0 and out[-1]["outcome"] == "ok", out
+    (resume,) = [o for o in out if o.get("step") == "resume"]
+    assert resume["gpus"] == [{"uuid": GPU_UUID, "freeBefore": 14 * gib, "freeAfter": 10 * gib}], resume
+    assert c.counting()
 
 
 def test_exec_refuses_a_capture_not_confirmed_out_of_serving(container: tuple[Container, StubDriver],
