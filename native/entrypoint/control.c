@@ -72,6 +72,13 @@ int control_write(const struct ep *ep)
 		json_str(buf, sizeof(buf), ep->request_error);
 	else
 		json_add(buf, sizeof(buf), "null");
+	json_add(buf, sizeof(buf), ",\"request_wakeup\":");
+	json_str(buf, sizeof(buf), ep->request_wakeup ? ep->request_wakeup : "tick");
+	json_add(buf, sizeof(buf), ",\"request_noticed\":");
+	if (ep->request_noticed)
+		json_str(buf, sizeof(buf), ep->request_noticed);
+	else
+		json_add(buf, sizeof(buf), "null");
 	json_add(buf, sizeof(buf), ",\"pid_floor\":%d,\"pid_reserved\":%s,\"seccomp\":",
 		 DYNSNAP_PID_FLOOR, ep->pid_reserved ? "true" : "false");
 	json_str(buf, sizeof(buf), ep->seccomp_status);

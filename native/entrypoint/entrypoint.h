@@ -38,6 +38,8 @@ struct ep {
 	long long request_seq;      /* last request applied (or rejected) */
 	char request_error[160];    /* empty when the last request was applied */
 	long long started_ms;
+	const char *request_wakeup;  /* "inotify": a new request wakes the loop; "tick": only the tick */
+	const char *request_noticed; /* how the last request was noticed: "inotify", "tick", NULL: none yet */
 };
 
 extern const char *const ep_state_names[ST_COUNT];

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -26,7 +27,7 @@
 
 #include "entrypoint.h"
 
-#define TICK_MS 100 /* how often the log is copied and the request file looked at */
+#define TICK_MS 100 /* how often the log is copied and the request file looked at (also without inotify) */
 #define EXIT_USAGE 2
 /* kubelet keeps its own copy of our stdout; this file only has to bridge the
  * gap, and it usually lives on an emptyDir that may have a size limit. */
@@ -528,12 +529,76 @@ static void copy_log(const struct ep *ep, int rfd, bool block)
 	}
 }
 
+/*
+ * Wake latency (issue 12): the agent waits for the acknowledgement of every state request, and a
+ * wake or a capture is several requests in a row, so a request must not wait out the rest of a
+ * tick (up to 100 ms each). An inotify watch on the control directory puts the loop's poll() on
+ * the agent's rename of a new state-request (IN_MOVED_TO; IN_CLOSE_WRITE for one written in
+ * place). Set up in the entrypoint itself after the worker is forked: the worker's seccomp filter
+ * never applies to it, and the worker never holds the descriptor. Where it cannot be set up
+ * (the per-user instance limit reached, a filesystem without inotify, any errno) the tick still
+ * picks requests up, as it always did: logged once, "request_wakeup": "tick". Returns the
+ * descriptor or -1.
+ */
+static int request_watch(struct ep *ep)
+{
+	const char *what = "inotify_init1";
+	int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC), e;
+
+	if (fd >= 0) {
+		what = "inotify_add_watch";
+		if (inotify_add_watch(fd, ep->control_dir, IN_CLOSE_WRITE | IN_MOVED_TO | IN_ONLYDIR) >= 0) {
+			ep->request_wakeup = "inotify";
+			return fd;
+		}
+	}
+	e = errno;
+	if (fd >= 0)
+		close(fd);
+	ep->request_wakeup = "tick";
+	ep_log("note: no inotify watch on %s (%s: %s): state requests are picked up at the %d ms tick "
+	       "instead of at once, so every wake is slower%s", ep->control_dir, what, strerror(e), TICK_MS,
+	       e == EMFILE ? " (the user's inotify instances are used up: fs.inotify.max_user_instances, "
+			     "or user.max_inotify_instances in a user namespace)" :
+	       e == ENOSPC ? " (the user's inotify watches are used up: fs.inotify.max_user_watches)" : "");
+	return -1;
+}
+
+/*
+ * Empties the watch's queue: the events only wake the loop, which then reads the request file
+ * itself. A watch the kernel dropped (the directory was removed or its filesystem unmounted) ends
+ * the inotify path: closed, back to the tick, *changed so the control file says so.
+ */
+static void request_watch_drain(struct ep *ep, int *fd, bool *changed)
+{
+	char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+	bool gone = false;
+	ssize_t n;
+
+	while ((n = read(*fd, buf, sizeof(buf))) > 0) {
+		const struct inotify_event *ev;
+		for (char *p = buf; p < buf + n; p += sizeof(*ev) + ev->len) {
+			ev = (const struct inotify_event *)(void *)p;
+			if (ev->mask & IN_IGNORED)
+				gone = true;
+		}
+	}
+	if (gone) {
+		ep_log("note: the inotify watch on %s was removed by the kernel: state requests are picked up "
+		       "at the %d ms tick from now on", ep->control_dir, TICK_MS);
+		close(*fd);
+		*fd = -1;
+		ep->request_wakeup = "tick";
+		*changed = true;
+	}
+}
+
 int main(int argc, char **argv)
 {
 	static struct ep ep;
 	struct sigaction sa = { .sa_handler = SIG_DFL };
 	sigset_t mask;
-	int sfd, lfd, logfd, rfd;
+	int sfd, lfd, logfd, rfd, ifd;
 	bool stopping = false;
 
 	parse_args(&ep, argc, argv);
@@ -603,18 +668,21 @@ int main(int argc, char **argv)
 	       "seccomp %s, thp preload %s)", (int)ep.worker_pid, ep.probe_port, ep.system_port,
 	       ep.control_dir, DYNSNAP_PID_FLOOR, ep.pid_reserved ? "reserved" : "NOT reserved",
 	       ep.seccomp_status, ep.thp_preload[0] ? ep.thp_preload : "off");
+	ifd = request_watch(&ep); /* after the fork: the worker never holds it */
 	control_write(&ep);
 
 	for (;;) {
-		struct pollfd pf[2] = { { .fd = sfd, .events = POLLIN }, { .fd = lfd, .events = POLLIN } };
+		/* pf[2]: the request watch; poll() skips it while it is -1 (no watch) */
+		struct pollfd pf[3] = { { .fd = sfd, .events = POLLIN }, { .fd = lfd, .events = POLLIN },
+					{ .fd = ifd, .events = POLLIN } };
 		struct signalfd_siginfo si;
-		bool changed = false;
+		bool changed = false, by_watch = false;
 		long long seq = 0;
 		char want[32], err[160];
 		int ws, r;
 		pid_t pid;
 
-		if (poll(pf, 2, TICK_MS) < 0 && errno != EINTR) {
+		if (poll(pf, 3, TICK_MS) < 0 && errno != EINTR) {
 			ep_log("poll: %s", strerror(errno));
 			return 1;
 		}
@@ -653,10 +721,19 @@ int main(int argc, char **argv)
 			       (int)pid, ep.worker_status, ep_state_names[ep.state]);
 		}
 
+		/* Drained every time round, just before the request is read. A request counts as noticed
+		 * by the watch when the watch is what woke poll() this turn (the agent's temp file or its
+		 * rename), not when the tick did with an event queued meanwhile. The entrypoint's own
+		 * entrypoint.json renames wake it too: harmless, one more turn of the loop. */
+		if (ifd >= 0) {
+			by_watch = pf[2].revents & POLLIN;
+			request_watch_drain(&ep, &ifd, &changed);
+		}
 		r = control_read_request(&ep, &seq, want, sizeof(want), err, sizeof(err));
 		if (r != 0) {
 			if (seq > 0)
 				ep.request_seq = seq;
+			ep.request_noticed = by_watch ? "inotify" : "tick";
 			changed = true;
 			if (r < 0) {
 				snprintf(ep.request_error, sizeof(ep.request_error), "%s", err);

@@ -57,6 +57,8 @@ THP_FALLBACK = T + "test_a_refused_madvise_falls_back_to_the_callers_own_populat
 THP_GLIBC = T + "test_the_library_loads_with_any_glibc"
 
 CYCLING = E + "test_unprivileged_entrypoint_reserves_by_cycling_pids"
+INOTIFY = E + "test_a_state_request_wakes_the_entrypoint_through_its_inotify_watch"
+NO_INOTIFY = E + "test_without_inotify_the_tick_still_serves_requests"
 
 MUTATIONS = (
     mutation(
@@ -153,6 +155,17 @@ MUTATIONS = (
         "\t\t\tif (seq > 0)\n\t\t\t\tep.request_seq = seq;\n",
         "\t\t\t(void)seq;\n",
         tests=[PROBES, BAD_REQUESTS]),
+    mutation(
+        "request-watch-not-polled", "the request watch set up but left out of the poll set (woken by the tick only)",
+        MAIN,
+        "{ .fd = ifd, .events = POLLIN } };",
+        "{ .fd = -1, .events = POLLIN } };",
+        tests=[INOTIFY]),
+    mutation(
+        "no-tick-without-watch", "requests read only after a watch event (nothing served without inotify)", MAIN,
+        "\t\tr = control_read_request(&ep, &seq, want, sizeof(want), err, sizeof(err));",
+        "\t\tr = by_watch ? control_read_request(&ep, &seq, want, sizeof(want), err, sizeof(err)) : 0;",
+        tests=[NO_INOTIFY]),
     mutation(
         "usage-exit-1", "usage errors exit 1", MAIN,
         "#define EXIT_USAGE 2",
