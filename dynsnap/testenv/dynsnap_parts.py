@@ -89,6 +89,18 @@ class StubDriver:
             return {}
         return {int(k): int(v) for k, v in (line.split() for line in f.read_text().splitlines() if line.strip())}
 
+    def queries(self) -> list[tuple[int, int]]:
+        """Every answered ``cuCheckpointProcessGetState``, in order: (pid, state), the state as in
+        :meth:`states` (0 running, 1 locked, 2 checkpointed, 3 failed)."""
+        f = self.state_dir / "queries"
+        if not f.exists():
+            return []
+        out = []
+        for line in f.read_text().splitlines():
+            kv = dict(x.split("=", 1) for x in line.split()[1:])
+            out.append((int(kv["pid"]), int(kv["state"])))
+        return out
+
     def calls(self) -> list[str]:
         f = self.state_dir / "log"
         return f.read_text().splitlines() if f.exists() else []

@@ -162,6 +162,26 @@ def test_exec_records_each_gpus_free_memory_as_the_helper_read_it(container: tup
     assert c.counting()
 
 
+def test_a_wake_asks_the_driver_about_the_checkpointed_process_once(container: tuple[Container, StubDriver],
+                                                                   tmp_path: Path) -> None:
+    """A query of a checkpointed process took 0.15 s on the H200 (0.015 s for a running one). While
+    the entrypoint says suspended the planner does not need the driver's answer, and the helper's
+    resume does not ask before its restore: a wake asks once, for the step that resumes it."""
+    c, driver = container
+    uid = str(uuid.uuid4())
+    rc, out = _exec(tmp_path, driver, c, uid, "capture", "suspend", "--quiesced")
+    assert rc == 0 and out[-1]["state"] == "Suspended", out
+    n = len(driver.queries())
+    rc, out = _exec(tmp_path, driver, c, uid, "capture", "suspend", "--quiesced")  # already asleep: a look
+    assert rc == 0 and out[-1]["state"] == "Suspended" and len(out) == 1, out
+    assert driver.queries()[n:] == [], "a look at a suspended worker asked the driver"
+    rc, out = _exec(tmp_path, driver, c, uid, "wake", "suspend")
+    assert rc == 0 and [o.get("step") for o in out[:-1]] == ["wake", "resume", "settle-active"], out
+    checkpointed = [q for q in driver.queries()[n:] if q[1] == 2]
+    assert len(checkpointed) == 1, driver.queries()[n:]
+    assert c.counting()
+
+
 def test_exec_refuses_a_capture_not_confirmed_out_of_serving(container: tuple[Container, StubDriver],
                                                              tmp_path: Path) -> None:
     c, driver = container

@@ -57,6 +57,24 @@ static inline void unlock_all(int fd)
 	}
 }
 
+static inline void logline_to(const char *name, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static inline void logline_to(const char *name, const char *fmt, ...)
+{
+	char p[4096];
+	va_list ap;
+	FILE *f;
+
+	path(p, sizeof(p), name);
+	f = fopen(p, "a");
+	if (!f)
+		return;
+	va_start(ap, fmt);
+	vfprintf(f, fmt, ap);
+	va_end(ap);
+	fputc('\n', f);
+	fclose(f);
+}
+
 static inline void logline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static inline void logline(const char *fmt, ...)
 {

@@ -16,6 +16,11 @@
  *             memory (cuDevicePrimaryCtxRetain/Release, cuMemGetInfo, and
  *             stub_nvml's nvml* calls):
  *               <function> [dev=<index>] [uuid=<uuid>] rc=<code>
+ *   queries   one line per cuCheckpointProcessGetState that answered (not in
+ *             log, whose call sequences the tests compare):
+ *               cuCheckpointProcessGetState pid=<pid> state=<state>
+ *             (a query of a checkpointed process cost the real driver about
+ *             0.15 s on the H200, so how often one is made matters)
  *   devices   "<uuid hex> <free bytes> <total bytes>" per visible GPU
  *             (absent: one GPU, uuid 11..11, 80 GiB free of 80 GiB)
  *   control   directives, read on every call:
@@ -499,6 +504,7 @@ CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
 	fd = lock_all();
 	*state = (CUprocessState)read_state(pid);
 	unlock_all(fd);
+	logline_to("queries", "cuCheckpointProcessGetState pid=%d state=%d", pid, (int)*state);
 	return CUDA_SUCCESS;
 }
 
