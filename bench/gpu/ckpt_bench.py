@@ -274,7 +274,7 @@ def sec_helpercost(b: Bench, gib: int, reps: int) -> dict:
             "median_s": {k: statistics.median(v) for k, v in walls.items()},
             "save_wall_minus_driver_s": s["wall_s"] - sum(ms(s, "lock") + ms(s, "checkpoint")) / 1e3,
             "resume_wall_minus_driver_s": r["wall_s"] - sum(ms(r, "restore") + ms(r, "unlock")) / 1e3,
-            "gpus_lines": gpus,
+            "gpus_lines": gpus, "save_stderr": s["stderr"], "resume_stderr": r["stderr"],
             "cmd": f"dynsnap-cuda --get-state --pid {pid} | --mem-info  ({reps}x each; {gib} GiB worker)"}
 
 

@@ -127,6 +127,28 @@ static const char *errname(CUresult r)
 	return "CUDA_ERROR_UNKNOWN";
 }
 
+/* DYNSNAP_CUDA_TIMING=1: one stderr line per stage of an action, with the
+ * milliseconds since the start ("timing +12.3 ms driver loaded"), to find
+ * where a call spends what its driver calls do not (docs/BENCHMARKS.md). */
+static void mark(const char *what)
+{
+	static int on = -1;
+	static struct timespec t0;
+	struct timespec t;
+
+	if (on < 0) {
+		const char *e = getenv("DYNSNAP_CUDA_TIMING");
+
+		on = e && *e && strcmp(e, "0") != 0;
+		clock_gettime(CLOCK_MONOTONIC, &t0);
+	}
+	if (!on)
+		return;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	fprintf(stderr, "timing +%.1f ms %s\n",
+		(double)(t.tv_sec - t0.tv_sec) * 1e3 + (double)(t.tv_nsec - t0.tv_nsec) / 1e6, what);
+}
+
 /* A job's state_before when it was not read (before a restore). */
 #define STATE_NOT_READ (-2)
 
@@ -813,6 +835,7 @@ int main(int argc, char **argv)
 
 	if (base)
 		prog = strdup(basename(base));
+	mark("start");
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -930,6 +953,7 @@ int main(int argc, char **argv)
 
 	if (load_driver())
 		return EXIT_NODRIVER;
+	mark("driver loaded");
 	for (int i = 0; i < njobs; i++) {
 		for (int o = 0; o < 4; o++)
 			jobs[i].ms[o] = -1;
@@ -995,6 +1019,7 @@ int main(int argc, char **argv)
 			jobs[i].state_before = STATE_NOT_READ;
 		else
 			get_state(jobs[i].pid, &jobs[i].state_before);
+	mark("state before");
 	int restore_sampled = 0;
 
 	if (is_restore && !force && !skip_mem && enumerate_devices() == 0) {
@@ -1036,11 +1061,13 @@ int main(int argc, char **argv)
 
 	if (restore_line && !restore_sampled)
 		sample_free(free_before, src_before);
+	mark("free memory before");
 
 	if (second == OP_CHECKPOINT) {
 		/* save: every lock before any checkpoint. A rank checkpointed
 		 * while a peer still runs can strand a collective mid-flight. */
 		fails = run_phase(OP_LOCK, NULL, 0);
+		mark("lock");
 		if (fails) {
 			int locked[MAX_PIDS];
 
@@ -1059,6 +1086,7 @@ int main(int argc, char **argv)
 			 * checkpointed can only be recovered by a restore the caller
 			 * drives. */
 			fails = run_phase(OP_CHECKPOINT, NULL, 1);
+			mark("checkpoint");
 		}
 	} else {
 		if (first == OP_CHECKPOINT && have_dev) {
@@ -1066,8 +1094,11 @@ int main(int argc, char **argv)
 			sampled = 1;
 		}
 		fails = run_phase(first, NULL, 0);
-		if (!fails && second != OP_NONE)
+		mark(op_name[first]);
+		if (!fails && second != OP_NONE) {
 			fails = run_phase(second, NULL, 0);
+			mark(op_name[second]);
+		}
 	}
 
 	/* No reading after a save whose locks were rolled back: nothing was
@@ -1112,10 +1143,13 @@ int main(int argc, char **argv)
 		if (!fails)
 			drop_records();
 	}
+	mark("free memory after");
 	for (int i = 0; i < njobs; i++)
 		get_state(jobs[i].pid, &jobs[i].state_after);
+	mark("state after");
 	if (json)
 		print_json(action);
+	mark("printed");
 	if (fails) {
 		report_failure(action, rolled_back ? "locks rolled back" : NULL);
 		return EXIT_FAILED;

@@ -333,3 +333,21 @@ def test_skip_mem_records_nothing_and_checks_nothing(stub: Stub) -> None:
     stub.set_devices((UUID0, 1 * GIB, 80 * GIB))
     r = stub.run("--action", "resume", "--pid", "21", "--need-bytes", str(4 * GIB), "--skip-mem")
     assert r.rc == 0 and stub.state(21) == RUNNING
+
+
+def test_timing_names_each_stage_on_stderr_only_when_asked(stub: Stub) -> None:
+    """DYNSNAP_CUDA_TIMING=1: a stderr line per stage, in order, and the same stdout as without it."""
+    stub.set_devices(("GPU-28fd6b9c-4fb2-cd33-0776-4018cd000d99", 10 * GIB, 80 * GIB))
+    assert stub.run("--action", "save", "--pid", "21").rc == 0
+    plain = stub.run("--action", "resume", "--pid", "21", "--json", "--skip-mem")
+    assert plain.rc == 0 and "timing" not in plain.err
+    assert stub.run("--action", "save", "--pid", "21").rc == 0
+    stub.env["DYNSNAP_CUDA_TIMING"] = "1"
+    r = stub.run("--action", "resume", "--pid", "21", "--json", "--skip-mem")
+    def without_ms(res: object) -> list[dict]:
+        return [{k: v for k, v in rec.items() if k != "ms"} for rec in res.json()]  # type: ignore[attr-defined]
+
+    assert r.rc == 0 and without_ms(r) == without_ms(plain)
+    stages = [line.split(" ms ", 1)[1] for line in r.err.splitlines() if line.startswith("timing +")]
+    assert stages == ["start", "driver loaded", "state before", "free memory before", "restore", "unlock",
+                      "free memory after", "state after", "printed"], r.err
