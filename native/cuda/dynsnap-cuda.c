@@ -112,10 +112,35 @@ static int load_driver(void)
 		diag("%s lacks the checkpoint API (driver older than r550?)", path);
 		return -1;
 	}
-	/* The checkpoint calls work on other processes and do not need a device
-	 * here; cuInit failing only matters for the map and the memory check. */
-	drv.init_ok = drv.Init(0) == CUDA_SUCCESS;
+	drv.init_ok = -1; /* cuInit on first need: driver_init */
 	return 0;
+}
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+static void init_now(void)
+{
+	drv.init_ok = drv.Init(0) == CUDA_SUCCESS;
+}
+
+/* cuInit, on first need, not at load. The checkpoint calls work on other
+ * processes without it (the H200's driver took them with no cuInit in the
+ * caller); device enumeration and a context need it. With the only CUDA
+ * process on the GPU checkpointed, cuInit took 100-185 ms on the H200 against
+ * 10 ms while that process ran (DYNSNAP_CUDA_TIMING, docs/BENCHMARKS.md): a
+ * cost every look at a sleeping worker paid. Returns whether it succeeded;
+ * failing only matters for the map and the memory readings. */
+static int driver_init(void)
+{
+	pthread_once(&init_once, init_now);
+	return drv.init_ok > 0;
+}
+
+/* A checkpoint call that a driver refused for want of cuInit is made again
+ * after it (the first such answer makes the cuInit). */
+static int retry_after_init(CUresult r)
+{
+	return r == CUDA_ERROR_NOT_INITIALIZED && driver_init();
 }
 
 static const char *errname(CUresult r)
@@ -187,7 +212,7 @@ static int enumerate_devices(void)
 
 	if (ndev >= 0)
 		return 0;
-	if (!drv.init_ok || !drv.DeviceGetCount || !drv.DeviceGet || !drv.DeviceGetUuid ||
+	if (!driver_init() || !drv.DeviceGetCount || !drv.DeviceGet || !drv.DeviceGetUuid ||
 	    drv.DeviceGetCount(&n) != CUDA_SUCCESS)
 		return -1;
 	if (n > MAX_DEVS)
@@ -386,10 +411,9 @@ struct phase_arg {
 	enum op op;
 };
 
-static CUresult do_op(struct job *j, enum op op)
+static CUresult call_op(struct job *j, enum op op)
 {
 	CUresult r;
-	double t0 = now_ms();
 
 	switch (op) {
 	case OP_LOCK: {
@@ -423,6 +447,16 @@ static CUresult do_op(struct job *j, enum op op)
 	default:
 		r = CUDA_ERROR_INVALID_VALUE;
 	}
+	return r;
+}
+
+static CUresult do_op(struct job *j, enum op op)
+{
+	double t0 = now_ms();
+	CUresult r = call_op(j, op);
+
+	if (retry_after_init(r))
+		r = call_op(j, op);
 	j->ms[op] = now_ms() - t0;
 	if (r != CUDA_SUCCESS && j->err_op == OP_NONE) {
 		j->err = r;
@@ -487,6 +521,8 @@ static int get_state(int pid, int *st)
 	CUprocessState s;
 	CUresult r = drv.GetState(pid, &s);
 
+	if (retry_after_init(r))
+		r = drv.GetState(pid, &s);
 	if (r != CUDA_SUCCESS)
 		return -1;
 	*st = (int)s;
@@ -971,9 +1007,13 @@ int main(int argc, char **argv)
 				CUprocessState s;
 
 				r = drv.GetState(jobs[i].pid, &s);
+				if (retry_after_init(r))
+					r = drv.GetState(jobs[i].pid, &s);
 				st = (int)s;
 			} else {
 				r = drv.GetRestoreTid(jobs[i].pid, &tid);
+				if (retry_after_init(r))
+					r = drv.GetRestoreTid(jobs[i].pid, &tid);
 			}
 			if (r != CUDA_SUCCESS) {
 				diag("%s pid %d: %s (%d)", get_st ? "get-state" : "get-restore-tid",

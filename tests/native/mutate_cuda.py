@@ -28,7 +28,7 @@ K = "cuda"
 MUTATIONS = (
     mutation(
         "save-interleaves-lock-checkpoint", "`save` interleaves lock+checkpoint per pid", C,
-        "\t\tfails = run_phase(OP_LOCK, NULL, 0);\n\t\tif (fails) {",
+        "\t\tfails = run_phase(OP_LOCK, NULL, 0);\n\t\tmark(\"lock\");\n\t\tif (fails) {",
         "\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], OP_LOCK) == CUDA_SUCCESS) "
         "do_op(&jobs[k], OP_CHECKPOINT); }\n\t\tfails = 0;\n\t\tif (fails) {",
         tests=TESTS, k=K),
@@ -61,10 +61,11 @@ MUTATIONS = (
         tests=TESTS, k=K),
     mutation(
         "resume-unlocks-per-pid", "`resume` unlocks each pid right after its restore", C,
-        "\t\tfails = run_phase(first, NULL, 0);\n\t\tif (!fails && second != OP_NONE)\n"
+        "\t\tfails = run_phase(first, NULL, 0);\n\t\tmark(op_name[first]);\n\t\tif (!fails && second != OP_NONE) {\n"
         "\t\t\tfails = run_phase(second, NULL, 0);",
         "\t\tfails = 0;\n\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], first) != CUDA_SUCCESS) "
-        "{ fails++; continue; } if (second != OP_NONE && do_op(&jobs[k], second) != CUDA_SUCCESS) fails++; }",
+        "{ fails++; continue; } if (second != OP_NONE && do_op(&jobs[k], second) != CUDA_SUCCESS) fails++; }\n"
+        "\t\tif (0) {",
         tests=TESTS, k=K),
     mutation(
         "save-continues-after-failed-checkpoint", "`save` keeps checkpointing after a failed checkpoint", C,
@@ -134,6 +135,16 @@ MUTATIONS = (
         "refusal-state-not-read", "a refused restore reports a state it did not read", C,
         "\t\t\t\t\tget_state(jobs[i].pid, &jobs[i].state_after);\n\t\t\t\tif (json)",
         "\t\t\t\t\tjobs[i].state_after = jobs[i].state_before;\n\t\t\t\tif (json)",
+        tests=TESTS, k=K),
+    mutation(
+        "cuinit-at-load", "cuInit made when the driver is loaded, as before (100-185 ms a call on the H200)", C,
+        "\tdrv.init_ok = -1; /* cuInit on first need: driver_init */",
+        "\tdrv.init_ok = drv.Init(0) == CUDA_SUCCESS;",
+        tests=TESTS, k=K),
+    mutation(
+        "no-retry-after-init", "a call refused for want of cuInit is not made again", C,
+        "\treturn r == CUDA_ERROR_NOT_INITIALIZED && driver_init();",
+        "\treturn 0 && r == CUDA_ERROR_NOT_INITIALIZED && driver_init();",
         tests=TESTS, k=K),
 )
 

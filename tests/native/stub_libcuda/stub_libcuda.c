@@ -16,6 +16,7 @@
  *             memory (cuDevicePrimaryCtxRetain/Release, cuMemGetInfo, and
  *             stub_nvml's nvml* calls):
  *               <function> [dev=<index>] [uuid=<uuid>] rc=<code>
+ *   inits     one line per cuInit: "cuInit rc=<code>"
  *   queries   one line per cuCheckpointProcessGetState that answered (not in
  *             log, whose call sequences the tests compare):
  *               cuCheckpointProcessGetState pid=<pid> state=<state>
@@ -37,6 +38,9 @@
  *                                                pid in it): survives an
  *                                                in-place CRIU restore
  *               copy <pid> <MiB>                 the host copy, below
+ *               needinit all * 1                 the checkpoint API answers
+ *                                                CUDA_ERROR_NOT_INITIALIZED
+ *                                                until cuInit in this process
  *
  * The host copy. At a checkpoint the real driver copies the process's GPU
  * memory into an anonymous mapping it makes INSIDE that process; driver 580
@@ -390,12 +394,28 @@ static CUresult host_copy(int pid, int restore)
 }
 
 /* One transition: check the injected faults, then the state machine. */
+/* Set by a successful cuInit in this process. */
+static int inited;
+
+/* "needinit all * 1" in control: the checkpoint API answers
+ * CUDA_ERROR_NOT_INITIALIZED until this process called cuInit (a driver that
+ * wants it; the H200's did not, and dynsnap-cuda calls it only when needed). */
+static int uninitialized(void)
+{
+	return !inited && control("needinit", "all", 0) > 0;
+}
+
 static CUresult transition(const char *fn, int pid, int from, int to, unsigned int timeout_ms,
 			   const char *extra, int mem_sign, int mem_target, int copy_op)
 {
 	int timed_out, fd;
 	long long code;
 	CUresult rc = CUDA_SUCCESS;
+
+	if (uninitialized()) {
+		logline("%s pid=%d rc=%d", fn, pid, CUDA_ERROR_NOT_INITIALIZED);
+		return CUDA_ERROR_NOT_INITIALIZED;
+	}
 
 	hang(fn, pid, timeout_ms, &timed_out);
 	fd = lock_all();
@@ -499,6 +519,8 @@ CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
 
 	if (code >= 0)
 		return (CUresult)code;
+	if (uninitialized())
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (nocuda(pid))
 		return CUDA_ERROR_NOT_FOUND;
 	fd = lock_all();
@@ -514,6 +536,8 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 
 	if (code >= 0)
 		return (CUresult)code;
+	if (uninitialized())
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (nocuda(pid))
 		return CUDA_ERROR_NOT_FOUND;
 	*tid = pid + 1000;
@@ -525,9 +549,12 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 CUresult cuInit(unsigned int flags)
 {
 	long long code = control("fail", "cuInit", 0);
+	CUresult rc = code >= 0 ? (CUresult)code : CUDA_SUCCESS;
 
 	(void)flags;
-	return code >= 0 ? (CUresult)code : CUDA_SUCCESS;
+	inited = rc == CUDA_SUCCESS;
+	logline_to("inits", "cuInit rc=%d", (int)rc);
+	return rc;
 }
 
 CUresult cuDeviceGetCount(int *count)
