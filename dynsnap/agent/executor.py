@@ -128,8 +128,9 @@ class Executor:
         w = W.locate(subject.uid, container_id=subject.container_id, entrypoint=subject.entrypoint, proc=self.proc)
         # While the entrypoint says suspended or snapshotted, the planner's next step is a request to
         # the entrypoint whatever the driver says (plan.py; tests/unit/test_agent_plan.py holds it to
-        # that), so the driver is not asked: a query of a checkpointed process took 0.15 s on the H200
-        # against 0.015 s for a running one (docs/BENCHMARKS.md), once per look at a sleeping worker.
+        # that), so the driver is not asked: no helper process per GPU process on every look at a
+        # sleeping worker (a --get-state took 0.169 s on the H200 while its cuInit was made at load,
+        # 0.003 s since; docs/BENCHMARKS.md, "Issue 12 on the H200").
         asleep = w.state in (EntrypointState.SUSPENDED, EntrypointState.SNAPSHOTTED)
         states = await self.cuda.states(list(w.gpu)) if w.gpu and not asleep else {}
         # A GPU process the driver has no context for (it loaded the library, never initialised

@@ -174,9 +174,6 @@ static void mark(const char *what)
 		(double)(t.tv_sec - t0.tv_sec) * 1e3 + (double)(t.tv_nsec - t0.tv_nsec) / 1e6, what);
 }
 
-/* A job's state_before when it was not read (before a restore). */
-#define STATE_NOT_READ (-2)
-
 static const char *state_word(int st)
 {
 	switch (st) {
@@ -636,7 +633,7 @@ static void drop_records(void)
  * calls, so that the agent needs no --mem-info helpers of its own before and
  * after: each is a process start, a driver load and an NVML init, 0.034 s
  * (median) on the H200, twice per wake and per capture (docs/BENCHMARKS.md,
- * "The agent's fixed cost of a wake"). */
+ * "Issue 12 on the H200"). */
 static struct {
 	int on;
 	long long before[MAX_DEVS], after[MAX_DEVS];
@@ -690,13 +687,10 @@ static void print_json(const char *action)
 		struct job *j = &jobs[i];
 		int first = 1;
 
-		printf("{\"pid\":%d,\"action\":\"%s\",\"ok\":%s,\"state_before\":",
-		       j->pid, action, j->err_op == OP_NONE && !j->skipped && !refusal[0] ? "true" : "false");
-		if (j->state_before == STATE_NOT_READ)
-			printf("null");
-		else
-			printf("\"%s\"", state_word(j->state_before));
-		printf(",\"state_after\":\"%s\",\"ms\":{", state_word(j->state_after));
+		printf("{\"pid\":%d,\"action\":\"%s\",\"ok\":%s,\"state_before\":\"%s\","
+		       "\"state_after\":\"%s\",\"ms\":{",
+		       j->pid, action, j->err_op == OP_NONE && !j->skipped && !refusal[0] ? "true" : "false",
+		       state_word(j->state_before), state_word(j->state_after));
 		for (int o = 0; o < 4; o++) {
 			if (j->ms[o] < 0)
 				continue;
@@ -1049,16 +1043,8 @@ int main(int argc, char **argv)
 			return EXIT_USAGE;
 		}
 	}
-	/* The state before, for --json. Not read before a restore: asking the
-	 * driver about a checkpointed process took 0.15 s on the H200, against
-	 * 0.015 s for a running one (docs/BENCHMARKS.md, "The agent's fixed cost
-	 * of a wake"), and a wake waited for it; the restore's own result says
-	 * what happened. A refused restore reads the state it leaves. */
 	for (int i = 0; i < njobs; i++)
-		if (is_restore)
-			jobs[i].state_before = STATE_NOT_READ;
-		else
-			get_state(jobs[i].pid, &jobs[i].state_before);
+		get_state(jobs[i].pid, &jobs[i].state_before);
 	mark("state before");
 	int restore_sampled = 0;
 
@@ -1085,7 +1071,7 @@ int main(int argc, char **argv)
 				diag("refusing %s: GPU %d (%s) has %lld MiB free, the process needs %lld MiB (--force to override)",
 				     action, d, u, free_before[d] >> 20, need[d] >> 20);
 				for (int i = 0; i < njobs; i++)
-					get_state(jobs[i].pid, &jobs[i].state_after);
+					jobs[i].state_after = jobs[i].state_before;
 				if (json)
 					print_json(action);
 				return EXIT_NOMEM;

@@ -121,20 +121,9 @@ MUTATIONS = (
         tests=TESTS, k=K),
     mutation(
         "gpus-line-on-refusal", "a refused resume prints a `gpus` line though nothing was done", C,
-        "\t\t\t\t\tget_state(jobs[i].pid, &jobs[i].state_after);\n\t\t\t\tif (json)",
-        "\t\t\t\t\tget_state(jobs[i].pid, &jobs[i].state_after);\n"
-        "\t\t\t\tgpus_line(free_before, src_before, free_before, src_before);\n\t\t\t\tif (json)",
-        tests=TESTS, k=K),
-    mutation(
-        "state-read-before-restore", "the state of a checkpointed process read before its restore (0.15 s on the H200)",
-        C,
-        "\t\tif (is_restore)\n\t\t\tjobs[i].state_before = STATE_NOT_READ;\n\t\telse\n\t\t\tget_state",
-        "\t\tif (0)\n\t\t\tjobs[i].state_before = STATE_NOT_READ;\n\t\telse\n\t\t\tget_state",
-        tests=TESTS, k=K),
-    mutation(
-        "refusal-state-not-read", "a refused restore reports a state it did not read", C,
-        "\t\t\t\t\tget_state(jobs[i].pid, &jobs[i].state_after);\n\t\t\t\tif (json)",
         "\t\t\t\t\tjobs[i].state_after = jobs[i].state_before;\n\t\t\t\tif (json)",
+        "\t\t\t\t\tjobs[i].state_after = jobs[i].state_before;\n"
+        "\t\t\t\tgpus_line(free_before, src_before, free_before, src_before);\n\t\t\t\tif (json)",
         tests=TESTS, k=K),
     mutation(
         "cuinit-at-load", "cuInit made when the driver is loaded, as before (100-185 ms a call on the H200)", C,

@@ -162,11 +162,12 @@ def test_exec_records_each_gpus_free_memory_as_the_helper_read_it(container: tup
     assert c.counting()
 
 
-def test_a_wake_asks_the_driver_about_the_checkpointed_process_once(container: tuple[Container, StubDriver],
-                                                                   tmp_path: Path) -> None:
-    """A query of a checkpointed process took 0.15 s on the H200 (0.015 s for a running one). While
-    the entrypoint says suspended the planner does not need the driver's answer, and the helper's
-    resume does not ask before its restore: a wake asks once, for the step that resumes it."""
+def test_a_look_at_a_sleeping_worker_does_not_ask_the_driver(container: tuple[Container, StubDriver],
+                                                             tmp_path: Path) -> None:
+    """While the entrypoint says suspended, the planner's next step does not depend on the driver's
+    answer (tests/unit/test_agent_plan.py), so a look at a sleeping worker runs no helper: every
+    resync of every sleeping worker on a node would otherwise start one per GPU process. The wake
+    still asks, for the step that resumes it."""
     c, driver = container
     uid = str(uuid.uuid4())
     rc, out = _exec(tmp_path, driver, c, uid, "capture", "suspend", "--quiesced")
@@ -177,8 +178,7 @@ def test_a_wake_asks_the_driver_about_the_checkpointed_process_once(container: t
     assert driver.queries()[n:] == [], "a look at a suspended worker asked the driver"
     rc, out = _exec(tmp_path, driver, c, uid, "wake", "suspend")
     assert rc == 0 and [o.get("step") for o in out[:-1]] == ["wake", "resume", "settle-active"], out
-    checkpointed = [q for q in driver.queries()[n:] if q[1] == 2]
-    assert len(checkpointed) == 1, driver.queries()[n:]
+    assert any(state == 2 for _, state in driver.queries()[n:]), "the wake resumed without asking"
     assert c.counting()
 
 

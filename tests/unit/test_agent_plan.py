@@ -93,8 +93,8 @@ def test_every_step_is_planned_by_some_row() -> None:
 
 @pytest.mark.parametrize("ep", [E.SUSPENDED, E.SNAPSHOTTED])
 def test_a_sleeping_worker_is_planned_without_the_drivers_answer(ep: EntrypointState) -> None:
-    """The executor does not ask the driver while the entrypoint says suspended or snapshotted (a
-    query of a checkpointed process took 0.15 s on the H200): every plan there must be the same
+    """The executor does not ask the driver while the entrypoint says suspended or snapshotted (no
+    helper per GPU process on every look at a sleeping worker): every plan there must be the same
     whatever the GPU processes' states would have been."""
     staging_opts = (None, DONE, HALF, REJECTED)
     for alive in (True, False):

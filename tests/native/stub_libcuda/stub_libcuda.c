@@ -20,8 +20,7 @@
  *   queries   one line per cuCheckpointProcessGetState that answered (not in
  *             log, whose call sequences the tests compare):
  *               cuCheckpointProcessGetState pid=<pid> state=<state>
- *             (a query of a checkpointed process cost the real driver about
- *             0.15 s on the H200, so how often one is made matters)
+ *             (how often the agent asks: each is a helper process)
  *   devices   "<uuid hex> <free bytes> <total bytes>" per visible GPU
  *             (absent: one GPU, uuid 11..11, 80 GiB free of 80 GiB)
  *   control   directives, read on every call:
