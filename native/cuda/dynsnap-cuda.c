@@ -513,17 +513,17 @@ static int run_phase(enum op op, const int *sel, int stop_on_fail)
 	return fails;
 }
 
-static int get_state(int pid, int *st)
+/* The driver's state of pid into *st (left as it was when the driver fails). */
+static CUresult get_state(int pid, int *st)
 {
 	CUprocessState s;
 	CUresult r = drv.GetState(pid, &s);
 
 	if (retry_after_init(r))
 		r = drv.GetState(pid, &s);
-	if (r != CUDA_SUCCESS)
-		return -1;
-	*st = (int)s;
-	return 0;
+	if (r == CUDA_SUCCESS)
+		*st = (int)s;
+	return r;
 }
 
 /* ---- GPU memory records: what a checkpoint freed, for the restore check ---- */
@@ -998,12 +998,7 @@ int main(int argc, char **argv)
 			int st = -1, tid = 0;
 
 			if (get_st) {
-				CUprocessState s;
-
-				r = drv.GetState(jobs[i].pid, &s);
-				if (retry_after_init(r))
-					r = drv.GetState(jobs[i].pid, &s);
-				st = (int)s;
+				r = get_state(jobs[i].pid, &st);
 			} else {
 				r = drv.GetRestoreTid(jobs[i].pid, &tid);
 				if (retry_after_init(r))

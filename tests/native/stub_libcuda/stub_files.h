@@ -57,40 +57,40 @@ static inline void unlock_all(int fd)
 	}
 }
 
-static inline void logline_to(const char *name, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static inline void logline_to(const char *name, const char *fmt, ...)
+/* Appends one formatted line to the state directory's file name. */
+static inline void vlogline_to(const char *name, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
+static inline void vlogline_to(const char *name, const char *fmt, va_list ap)
 {
 	char p[4096];
-	va_list ap;
 	FILE *f;
 
 	path(p, sizeof(p), name);
 	f = fopen(p, "a");
 	if (!f)
 		return;
-	va_start(ap, fmt);
 	vfprintf(f, fmt, ap);
-	va_end(ap);
 	fputc('\n', f);
 	fclose(f);
+}
+
+static inline void logline_to(const char *name, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static inline void logline_to(const char *name, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vlogline_to(name, fmt, ap);
+	va_end(ap);
 }
 
 static inline void logline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static inline void logline(const char *fmt, ...)
 {
-	char p[4096];
 	va_list ap;
-	FILE *f;
 
-	path(p, sizeof(p), "log");
-	f = fopen(p, "a");
-	if (!f)
-		return;
 	va_start(ap, fmt);
-	vfprintf(f, fmt, ap);
+	vlogline_to("log", fmt, ap);
 	va_end(ap);
-	fputc('\n', f);
-	fclose(f);
 }
 
 /* Looks up the last control line "WORD KEY V1 .. Vn" whose KEY equals key; copies its n
