@@ -23,6 +23,9 @@ CRIU_BUILD_DEPS=(
 #   0001  a private anonymous VMA marked MADV_HUGEPAGE gets the mark before the restorer
 #         reads its pages, not after: 2 MiB faults instead of 4 KiB ones, and the restored
 #         process is on huge pages as when dumped (bench/criu_restore, docs/BENCHMARKS.md).
+#   0002  the restorer reads the pages image with several threads (DYNSNAP_CRIU_READ_THREADS,
+#         default one per CPU up to 16): faulting in, zeroing and copying the process's memory
+#         is most of a snapshot wake, and it scales with CPUs.
 CRIU_PATCH_DIR="$ROOT/hack/patches/criu"
 # Sourcing must not need more than bash (tests/unit/test_setup_go.py sources setup.sh with a PATH
 # of bash, dirname and mkdir only): without sha256sum the key is "unhashed", and setup_criu, which

@@ -6,9 +6,10 @@ libdynsnap-thp does to the driver's copy), fills it with a pattern where every 1
 carries its own index, then idles: every 0.05 s it looks for ``verify`` in its work directory
 and answers in ``verified`` with the pattern check and its AnonHugePages. CRIU dumps it and
 restores it; the restored process answers the same way from where it stopped. It ends when its
-caller kills it, or after an hour.
+caller kills it, or after an hour. With THREADS, that many more threads idle beside it, and both
+answers list the process's thread ids (a restore must bring each back).
 
-Run: python3 holder.py WORKDIR MIB   (stdio and session are the caller's to detach)
+Run: python3 holder.py WORKDIR MIB [THREADS]   (stdio and session are the caller's to detach)
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import mmap
 import os
 import sys
+import threading
 import time
 
 MIB = 1 << 20
@@ -33,8 +35,15 @@ def anon_huge_kib() -> int:
     return 0
 
 
+def tids() -> list[int]:
+    return sorted(int(t) for t in os.listdir("/proc/self/task"))
+
+
 def main() -> None:
     work, mib = sys.argv[1], int(sys.argv[2])
+    stop = threading.Event()
+    for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 0):
+        threading.Thread(target=stop.wait, args=(3600,), daemon=True).start()
     size = mib << 20
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_HUGEPAGE)
@@ -42,7 +51,7 @@ def main() -> None:
     for i in range(size // MIB):
         m[i * MIB:(i + 1) * MIB] = block(i, base)
     with open(os.path.join(work, "ready.tmp"), "w") as f:
-        json.dump({"pid": os.getpid(), "anon_huge_kib": anon_huge_kib()}, f)
+        json.dump({"pid": os.getpid(), "anon_huge_kib": anon_huge_kib(), "tids": tids()}, f)
     os.rename(os.path.join(work, "ready.tmp"), os.path.join(work, "ready"))
     req = os.path.join(work, "verify")
     for _ in range(int(3600 / 0.05)):  # the caller kills it; an hour at most
@@ -50,7 +59,7 @@ def main() -> None:
             t0 = time.monotonic()
             bad = [i for i in range(size // MIB) if m[i * MIB:(i + 1) * MIB] != block(i, base)]
             out = {"pid": os.getpid(), "ok": not bad, "bad_blocks": bad[:10], "verify_s": time.monotonic() - t0,
-                   "anon_huge_kib": anon_huge_kib()}
+                   "anon_huge_kib": anon_huge_kib(), "tids": tids()}
             os.unlink(req)
             with open(os.path.join(work, "verified.tmp"), "w") as f:
                 json.dump(out, f)

@@ -11,8 +11,13 @@ from several threads as the restore starts ("cold-willneed"), then restored with
 reports its AnonHugePages. Variants alternate within a round. Writes one JSON line per sample
 to OUT/samples.jsonl and medians to OUT/summary.json.
 
+--read-threads 1,4,8 restores with the patched CRIU once per count (DYNSNAP_CRIU_READ_THREADS,
+hack/patches/criu/0002: the restorer's page reads in that many threads) instead of once with its
+default; without --stock only the patched CRIU runs.
+
 Run as root:
   python3 bench/criu_restore/thp_restore.py --stock CRIU --patched CRIU --gib 4 --rounds 3 --out DIR
+  python3 bench/criu_restore/thp_restore.py --patched CRIU --read-threads 1,2,4,8,16 --caches warm --out DIR
 """
 from __future__ import annotations
 
@@ -42,9 +47,9 @@ def wait_file(path: Path, timeout: float) -> dict:
     raise TimeoutError(f"no {path} within {timeout:.0f} s")
 
 
-def run(argv: list[str], timeout: float) -> float:
+def run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> float:
     t0 = time.monotonic()
-    subprocess.run(argv, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     return time.monotonic() - t0
 
 
@@ -88,7 +93,7 @@ def vmstat() -> dict[str, int]:
     return {k: int(v) for k, v in pairs if k in VMSTAT}
 
 
-def sample(args: argparse.Namespace, criu: str, cache: str, root: Path) -> dict:
+def sample(args: argparse.Namespace, criu: str, cache: str, root: Path, read_threads: int | None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="holder-", dir=root))
     images = work / "images"
     images.mkdir(mode=0o700)
@@ -98,7 +103,8 @@ def sample(args: argparse.Namespace, criu: str, cache: str, root: Path) -> dict:
     restored = 0
     try:
         ready = wait_file(work / "ready", 300)
-        dump_s = run([args.stock, "dump", "-t", str(holder.pid), "-D", str(images), "-o", "dump.log"], 300)
+        dump_s = run([args.stock or args.patched, "dump", "-t", str(holder.pid), "-D", str(images), "-o", "dump.log"],
+                     300)
         holder.wait(timeout=30)
         img_bytes = sum(f.stat().st_size for f in images.iterdir())
         threads: list[threading.Thread] = []
@@ -109,15 +115,19 @@ def sample(args: argparse.Namespace, criu: str, cache: str, root: Path) -> dict:
         else:
             warm(images)
         vm0 = vmstat()
+        env = {k: v for k, v in os.environ.items() if k != "DYNSNAP_CRIU_READ_THREADS"}
+        if read_threads is not None:
+            env["DYNSNAP_CRIU_READ_THREADS"] = str(read_threads)
         restore_s = run([criu, "restore", "-D", str(images), "-o", "restore.log", "--restore-detached",
-                         "--pidfile", str(work / "restored.pid")], 300)
+                         "--pidfile", str(work / "restored.pid")], 300, env)
         for t in threads:
             t.join(timeout=300)
         vm1 = vmstat()
         restored = int((work / "restored.pid").read_text())
         (work / "verify").touch()
         verified = wait_file(work / "verified", 300)
-        return {"criu": "patched" if criu == args.patched else "stock", "cache": cache, "gib": args.gib,
+        name = "stock" if criu == args.stock else "patched" if read_threads is None else f"patched-t{read_threads}"
+        return {"criu": name, "cache": cache, "gib": args.gib,
                 "dump_s": round(dump_s, 3), "restore_s": round(restore_s, 3), "image_bytes": img_bytes,
                 "huge_kib_before": ready["anon_huge_kib"], "huge_kib_after": verified["anon_huge_kib"],
                 "ok": verified["ok"], "bad_blocks": verified["bad_blocks"],
@@ -134,29 +144,32 @@ def sample(args: argparse.Namespace, criu: str, cache: str, root: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stock", required=True)
+    ap.add_argument("--stock", default="")
     ap.add_argument("--patched", required=True)
     ap.add_argument("--gib", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--caches", default="warm,cold")
     ap.add_argument("--root", default="/var/tmp", help="where the images go (a disk, not a tmpfs)")
+    ap.add_argument("--read-threads", default="", help="comma-separated DYNSNAP_CRIU_READ_THREADS values")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants = [(c, cache) for cache in args.caches.split(",") for c in (args.stock, args.patched)]
+    counts: list[int | None] = [int(t) for t in args.read_threads.split(",") if t] or [None]
+    runs = ([(args.stock, None)] if args.stock else []) + [(args.patched, t) for t in counts]
+    variants = [(c, t, cache) for cache in args.caches.split(",") for c, t in runs]
     samples = []
     with open(out / "samples.jsonl", "a") as log:
         for r in range(args.rounds):
             order = variants if r % 2 == 0 else list(reversed(variants))
-            for criu, cache in order:
-                s = sample(args, criu, cache, Path(args.root)) | {"round": r}
+            for criu, threads, cache in order:
+                s = sample(args, criu, cache, Path(args.root), threads) | {"round": r}
                 print(json.dumps(s), flush=True)
                 log.write(json.dumps(s) + "\n")
                 log.flush()
                 samples.append(s)
     summary = {}
-    for name in ("stock", "patched"):
+    for name in sorted({s["criu"] for s in samples}):
         for cache in args.caches.split(","):
             ss = [s for s in samples if s["criu"] == name and s["cache"] == cache]
             summary[f"{name}/{cache}"] = {

@@ -7,6 +7,11 @@ bytes intact. Stock CRIU 4.2.1 marks it only after reading the pages in, so the 
 mapping is on 4 KiB pages (AnonHugePages 0 right after the restore; measured against the
 unpatched build, docs/CRIU_PATCHES.md), which is both the slower restore and the slower CUDA
 resume after it (docs/BENCHMARKS.md, "CRIU's restore onto huge pages").
+
+0002: the restorer reads the pages image with DYNSNAP_CRIU_READ_THREADS threads (default one
+per CPU, at most 16). Every byte and every thread of the process comes back as with one reader;
+one thread reads as stock CRIU does; a bad count is reported and the default used; an image
+that ends early fails the restore with the read's error instead of a process with holes.
 """
 
 from __future__ import annotations
@@ -14,15 +19,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 SIZE_MIB = 64  # 32 huge pages
+PARALLEL_MIB = 256  # 8 of the restorer's 32 MiB chunks, past its 64 MiB floor for threads
 
 # The process the CRIU restore bench dumps and restores (a MADV_HUGEPAGE mapping with a pattern, its
 # AnonHugePages and a pattern check on request), as tests/gpu runs bench/gpu/worker.py.
@@ -50,41 +58,123 @@ def _wait(path: Path, timeout: float = 120) -> dict:
     raise TimeoutError(f"no {path.name} within {timeout:.0f} s")
 
 
-def test_a_hugepage_mapping_is_restored_on_huge_pages(tmp_path: Path) -> None:
+@dataclass
+class _Run:
+    before: dict  # the holder's answer before the dump
+    restore: subprocess.CompletedProcess[bytes]
+    log: str  # restore.log
+    pid: int = 0  # the restored process (0: the restore failed)
+    after: dict = field(default_factory=dict)  # its answer after the restore
+
+
+def _dump_and_restore(tmp_path: Path, mib: int, *, threads: int = 0, read_threads: str | None = None,
+                      cut_image_mib: int = 0, min_huge: bool = False) -> _Run:
+    """Dump a holder of ``mib`` MiB (and ``threads`` more threads), optionally cut the end off its
+    largest pages image, restore it with DYNSNAP_CRIU_READ_THREADS=``read_threads`` (None:
+    unset), and ask the restored process for its pattern check and thread ids."""
     if os.geteuid() != 0:
         pytest.skip("CRIU dumps and restores as root")
-    if _thp_mode() == "never":
-        pytest.skip("transparent huge pages are off on this kernel ('never'): nothing to restore onto")
     criu = _criu()
     images = tmp_path / "images"
     images.mkdir(mode=0o700)
-    holder = subprocess.Popen([sys.executable, str(HOLDER), str(tmp_path), str(SIZE_MIB)],
+    holder = subprocess.Popen([sys.executable, str(HOLDER), str(tmp_path), str(mib), str(threads)],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True, cwd=tmp_path)
-    restored = 0
+    run: _Run | None = None
     try:
         before = _wait(tmp_path / "ready")
-        if before["anon_huge_kib"] < SIZE_MIB * 1024 // 2:
+        if min_huge and before["anon_huge_kib"] < mib * 1024 // 2:
             pytest.skip(f"the kernel gave the live process only {before['anon_huge_kib']} KiB of huge pages "
                         "(fragmented memory): nothing to compare the restore with")
         subprocess.run([str(criu), "dump", "-t", str(holder.pid), "-D", str(images), "-o", "dump.log"],
                        check=True, timeout=120, stdin=subprocess.DEVNULL)
         holder.wait(timeout=30)
-        subprocess.run([str(criu), "restore", "-D", str(images), "-o", "restore.log", "--restore-detached",
-                        "--pidfile", str(tmp_path / "restored.pid")], check=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
-        restored = int((tmp_path / "restored.pid").read_text())
-        (tmp_path / "verify").touch()
-        after = _wait(tmp_path / "verified")
-        assert after["pid"] == before["pid"] == restored
-        assert after["ok"], "the restored mapping's bytes differ from the dumped ones"
-        # Right after the restore, before khugepaged could collapse anything: on huge pages as
-        # when dumped (stock CRIU: 0 KiB here).
-        assert after["anon_huge_kib"] >= before["anon_huge_kib"] * 9 // 10, (before, after)
+        if cut_image_mib:
+            pages = max(images.glob("pages-*.img"), key=lambda f: f.stat().st_size)
+            os.truncate(pages, pages.stat().st_size - (cut_image_mib << 20))
+        env = {k: v for k, v in os.environ.items() if k != "DYNSNAP_CRIU_READ_THREADS"}
+        if read_threads is not None:
+            env["DYNSNAP_CRIU_READ_THREADS"] = read_threads
+        res = subprocess.run([str(criu), "restore", "-v4", "-D", str(images), "-o", "restore.log",
+                              "--restore-detached", "--pidfile", str(tmp_path / "restored.pid")],
+                             timeout=120, stdin=subprocess.DEVNULL, capture_output=True, env=env)
+        run = _Run(before=before, restore=res, log=(images / "restore.log").read_text(errors="replace"))
+        if res.returncode == 0:
+            run.pid = int((tmp_path / "restored.pid").read_text())
+            (tmp_path / "verify").touch()
+            run.after = _wait(tmp_path / "verified")
+        return run
     finally:
-        for pid in (holder.pid, restored):
+        for pid in (holder.pid, run.pid if run else 0):
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         if holder.poll() is None:
             holder.wait(timeout=30)
+
+
+def _restored_whole(run: _Run) -> None:
+    assert run.restore.returncode == 0, run.log[-3000:]
+    assert run.after["pid"] == run.before["pid"] == run.pid
+    assert run.after["ok"], f"the restored mapping's bytes differ from the dumped ones: blocks {run.after}"
+    assert run.after["tids"] == run.before["tids"], "the restored process's threads are not the dumped ones"
+
+
+READ_LINE = re.compile(r"dynsnap: read (\d+) bytes of pages with (\d+) threads")
+
+
+def test_a_hugepage_mapping_is_restored_on_huge_pages(tmp_path: Path) -> None:
+    if _thp_mode() == "never":
+        pytest.skip("transparent huge pages are off on this kernel ('never'): nothing to restore onto")
+    run = _dump_and_restore(tmp_path, SIZE_MIB, min_huge=True)
+    _restored_whole(run)
+    # Right after the restore, before khugepaged could collapse anything: on huge pages as
+    # when dumped (stock CRIU: 0 KiB here).
+    assert run.after["anon_huge_kib"] >= run.before["anon_huge_kib"] * 9 // 10, (run.before, run.after)
+
+
+def test_pages_are_read_by_several_threads_and_every_byte_and_thread_comes_back(tmp_path: Path) -> None:
+    # More readers than this VM has CPUs, and a process with threads of its own: the readers are
+    # threads of the restored process too, gone before its own are created with their old tids.
+    run = _dump_and_restore(tmp_path, PARALLEL_MIB, threads=3, read_threads="4")
+    _restored_whole(run)
+    assert len(run.before["tids"]) == 4
+    read = READ_LINE.findall(run.log)
+    assert len(read) == 1, run.log[-3000:]
+    nbytes, nthreads = map(int, read[0])
+    assert nthreads == 4
+    assert nbytes >= PARALLEL_MIB << 20  # the whole mapping went through the readers
+
+
+def test_one_read_thread_reads_as_stock_criu(tmp_path: Path) -> None:
+    run = _dump_and_restore(tmp_path, PARALLEL_MIB, threads=1, read_threads="1")
+    _restored_whole(run)
+    assert not READ_LINE.search(run.log), "one thread must take stock CRIU's loop"
+    assert "Preadv " in run.log  # stock CRIU's loop, at -v4
+
+
+def test_a_bad_read_thread_count_is_reported_and_the_default_used(tmp_path: Path) -> None:
+    run = _dump_and_restore(tmp_path, PARALLEL_MIB, read_threads="0")
+    _restored_whole(run)
+    assert "DYNSNAP_CRIU_READ_THREADS=0 is not a number from 1 to 16: using the default" in run.log
+    default = min(len(os.sched_getaffinity(0)), 16)
+    read = READ_LINE.findall(run.log)
+    if default == 1:
+        assert not read
+    else:
+        assert [int(n) for _, n in read] == [default], run.log[-3000:]
+
+
+def test_an_image_that_ends_early_fails_the_restore_with_the_read_error(tmp_path: Path) -> None:
+    # Stock CRIU's loop spins on the short read; the readers stop at it and the restore fails,
+    # instead of resuming a process whose last pages are zeros.
+    run = _dump_and_restore(tmp_path, PARALLEL_MIB, read_threads="4", cut_image_mib=8)
+    assert run.restore.returncode != 0
+    assert "Can't read pages data (-5)" in run.log, run.log[-3000:]
+    # CRIU killed and reaped what it had begun to restore: no process holds the pid.
+    status = Path(f"/proc/{run.before['pid']}/status")
+    for _ in range(100):
+        if not status.exists():
+            break
+        time.sleep(0.1)
+    assert not status.exists()
