@@ -120,7 +120,13 @@ class Executor:
         return CriuOptions(binary=self.settings.criu, tcp_established=self.settings.tcp_established,
                            network_lock=self.settings.network_lock or None, path=os.pathsep.join(dirs),
                            libdir=self.settings.criu_libdir or None, workdir=W.control_dir_of(w.entrypoint, self.proc),
-                           env={"DYNSNAP_OP": f"{subject.uid}/criu"})
+                           env=self._criu_env(subject))
+
+    def _criu_env(self, subject: Subject) -> dict[str, str]:
+        env = {"DYNSNAP_OP": f"{subject.uid}/criu"}
+        if self.settings.criu_read_threads:  # else CRIU's own default (hack/patches/criu/0002)
+            env["DYNSNAP_CRIU_READ_THREADS"] = str(self.settings.criu_read_threads)
+        return env
 
     # -- observing --------------------------------------------------------------------------------
 

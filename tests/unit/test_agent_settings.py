@@ -42,3 +42,16 @@ def test_cli_exec_refuses_a_malformed_pod_uid(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as e:
         main(["agent", "exec", "capture", "--pod-uid", "../../etc", "--tier", "suspend"])
     assert e.value.code == 2 and "not a pod UID" in capsys.readouterr().err
+
+
+def test_criu_read_threads_reach_criu_only_when_set(tmp_path: Path) -> None:
+    from dynsnap.agent.executor import Executor, Subject
+    from dynsnap.models.ids import PodUID
+
+    subject = Subject("ns", "w", PodUID("u-1"))
+    default = Executor(AgentSettings(images_root=tmp_path))._criu_env(subject)
+    assert "DYNSNAP_CRIU_READ_THREADS" not in default  # CRIU's own default: one per CPU, at most 16
+    four = Executor(AgentSettings(images_root=tmp_path, criu_read_threads=4))._criu_env(subject)
+    assert four["DYNSNAP_CRIU_READ_THREADS"] == "4" and four["DYNSNAP_OP"] == "u-1/criu"
+    with pytest.raises(ValidationError, match="criu_read_threads"):
+        AgentSettings.from_env({"criu_read_threads": "17"}, environ={})

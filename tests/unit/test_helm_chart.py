@@ -314,6 +314,7 @@ BAD_VALUES = [
     ("agent.imagesBudgetBytes=-1", "/agent/imagesBudgetBytes"),
     ("agent.nodeSelector.nvidia\\.com/gpu\\.present=true", "/agent/nodeSelector/nvidia.com~1gpu.present"),
     ("agent.criuCudaPlugin=yes", "/agent/criuCudaPlugin"),
+    ("agent.criuReadThreads=17", "/agent/criuReadThreads"),
     ("agent.nodeToolsDir=/", "/agent/nodeToolsDir"),
     ("agent.failureBackoff=900", "agent.failureBackoff (900) must not exceed agent.failureBackoffMax (600)"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
