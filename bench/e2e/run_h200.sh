@@ -5,13 +5,22 @@
 #
 # Usage (repository root, GPU machine, in ONE device call after the parts were carried into
 # /tmp/e2e-parts by the calls bench/e2e/split_wheels.sh prints):
-#   bash bench/e2e/run_h200.sh [GIB] [CYCLES] [ASLEEP_S]      (default 16 3 60,2,2)
+#   bash bench/e2e/run_h200.sh [GIB] [CYCLES] [ASLEEP_S] [AGENT]      (default 16 3 60,2,2 exec)
 # ASLEEP_S: seconds asleep per cycle, one value or a comma list (the first cycle's 60 s shows the
-# file-discovery lease survives a suspend).
-# Results in $OUT (default /tmp/dynsnap-e2e-out): wake_e2e-GIB.jsonl (a line per cycle, one for the
-# cold start, a summary), wake_e2e-GIB.log (the driver's stderr), logs.txt (agent, frontend, workers).
+# file-discovery lease survives a suspend). AGENT: exec (a `dynsnap agent exec` per action, its
+# Python start-up in the clock) or resident (one agent process for all, as a node agent runs:
+# bench/e2e/resident_agent.py).
+# COLD_REPS (default 2): cold starts after the cycles, the first from a dropped page cache.
+# Results in $OUT (default /tmp/dynsnap-e2e-out): wake_e2e-GIB[-resident].jsonl (a line per cycle, one
+# for the cold start, a summary), wake_e2e-GIB[-resident].log (the driver's stderr), logs.txt (agent,
+# frontend, workers).
 set -uo pipefail
-GIB=${1:-16}; CYCLES=${2:-3}; ASLEEP=${3:-60,2,2}
+GIB=${1:-16}; CYCLES=${2:-3}; ASLEEP=${3:-60,2,2}; AGENT=${4:-exec}
+case $AGENT in
+  exec) MODE=(); TAG="" ;;
+  resident) MODE=(--resident-agent); TAG=-resident ;;
+  *) echo "AGENT: exec or resident, not $AGENT"; exit 2 ;;
+esac
 OUT="${OUT:-/tmp/dynsnap-e2e-out}"
 ROOT=$(pwd)
 PARTS=/tmp/e2e-parts
@@ -39,11 +48,12 @@ PYTHONPATH=/tmp/e2e-py python3 -c 'import torch, dynamo._core, dynamo.frontend, 
 # 3. The measurement: tier suspend, the real driver, the page cache dropped before the cold start.
 python3 "$ROOT/bench/e2e/wake_e2e.py" --real-driver --device cuda --gib "$GIB" --cycles "$CYCLES" \
   --asleep-s "$ASLEEP" --dynamo-python python3 --dynamo-pythonpath /tmp/e2e-py --model-dir "$PARTS/model-tiny" \
-  --drop-caches --cold-reps 2 --work /tmp/dynsnap-e2e --out "$OUT/wake_e2e-$GIB.jsonl" 2>"$OUT/wake_e2e-$GIB.log"
+  --drop-caches --cold-reps "${COLD_REPS:-2}" --work /tmp/dynsnap-e2e "${MODE[@]}" --out "$OUT/wake_e2e-$GIB$TAG.jsonl" \
+  2>"$OUT/wake_e2e-$GIB$TAG.log"
 rc=$?
 for f in /tmp/dynsnap-e2e/*.log; do
   [[ -f $f ]] && { echo "== $f"; tail -c 200000 "$f"; }
 done >"$OUT/logs.txt" 2>&1
-tail -20 "$OUT/wake_e2e-$GIB.log"
+tail -20 "$OUT/wake_e2e-$GIB$TAG.log"
 echo "rc=$rc"
 exit $rc

@@ -305,8 +305,55 @@ class Agent:
     env: dict[str, str]
     cuda_env: dict[str, str]
     criu: str | None
+    # bench/e2e/resident_agent.py, started once (a node agent's process): None runs `agent exec` per action
+    resident: subprocess.Popen[str] | None = None
+
+    def start_resident(self) -> None:
+        settings = {"images_root": str(self.work / "images"), "state_dir": str(self.work / "state"),
+                    "cuda_helper": str(NATIVE / "dynsnap-cuda"), "tcp_established": False, "network_lock": "",
+                    "cuda_env": self.cuda_env, **({"criu": self.criu} if self.criu else {})}
+        with open(self.work / "agent.log", "a") as log_file:  # the child keeps its own descriptor
+            self.resident = subprocess.Popen(
+                [self.python, str(ROOT / "bench" / "e2e" / "resident_agent.py"), json.dumps(settings)],
+                env=self.env, cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file)
+
+    def stop_resident(self) -> None:
+        if self.resident is not None:
+            with contextlib.suppress(OSError):
+                self.resident.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.resident.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.resident.kill()
+                self.resident.wait(timeout=30)
+            self.resident = None
+
+    def _resident_exec(self, action: str, c: Container) -> tuple[int, list[dict[str, Any]], float]:
+        assert self.resident is not None and self.resident.stdin and self.resident.stdout
+        t = time.monotonic()
+        self.resident.stdin.write(json.dumps({"action": action, "uid": c.uid, "entrypoint": c.entrypoint,
+                                              "tier": "suspend"}) + "\n")
+        self.resident.stdin.flush()
+        lines: list[dict[str, Any]] = []
+        done = None
+        for _ in range(1000):  # an action is a few dozen lines; EOF ends it too
+            raw = self.resident.stdout.readline()
+            if not raw:
+                break
+            if raw.startswith("{"):
+                rec = json.loads(raw)
+                if "resident_done" in rec:
+                    done = rec["resident_done"]
+                    break
+                lines.append(rec)
+        seconds = time.monotonic() - t
+        with open(self.work / "agent.log", "a") as f:
+            f.write(f"== resident {action} ok={done} {seconds:.3f}s\n" + "".join(json.dumps(x) + "\n" for x in lines))
+        return (0 if done else 1), lines, seconds
 
     def exec(self, action: str, c: Container) -> tuple[int, list[dict[str, Any]], float]:
+        if self.resident is not None:
+            return self._resident_exec(action, c)
         argv = [self.python, "-m", "dynsnap", "agent", "--images-root", str(self.work / "images"),
                 "--state-dir", str(self.work / "state"), "--cuda-helper", str(NATIVE / "dynsnap-cuda"),
                 "--tcp-established", "false", "--network-lock", ""]
@@ -324,6 +371,23 @@ class Agent:
         with open(self.work / "agent.log", "a") as f:
             f.write(f"== {action} rc={r.returncode} {seconds:.3f}s\n{r.stdout}{r.stderr[-4000:]}\n")
         return r.returncode, lines, seconds
+
+
+def anon_huge_kib(entrypoint: int | None) -> int | None:
+    """AnonHugePages of the processes under the entrypoint: while a worker is suspended, the driver's host
+    copy of its GPU memory, on huge pages when libdynsnap-thp got them (a restore from 4 KiB pages is slower)."""
+    if entrypoint is None:
+        return None
+    total = 0
+    try:
+        kids = Path(f"/proc/{entrypoint}/task/{entrypoint}/children").read_text().split()
+        for pid in kids[:64]:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("AnonHugePages:"):
+                    total += int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return total
 
 
 def lease_age(work: Path, instance_id: int) -> float | None:
@@ -366,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", default=os.environ.get("DYNSNAP_MODEL_DIR", ""),
                    help="model directory with the tokenizer (default $DYNSNAP_MODEL_DIR)")
     p.add_argument("--criu", help="CRIU for the agent (not used by tier suspend)")
+    p.add_argument("--resident-agent", action="store_true",
+                   help="one agent process for every action (bench/e2e/resident_agent.py, as a node agent runs) "
+                   "instead of a `dynsnap agent exec` per action, whose Python start-up is then not in the clock")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per pinned answer (default 8)")
     p.add_argument("--threads", type=int, default=0, help="the engine's torch CPU threads (0: torch's default)")
     p.add_argument("--drop-caches", action="store_true",
@@ -417,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         worker_env.update(cuda_env)
     agent_env = {**os.environ, "PYTHONPATH": ":".join(x for x in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if x)}
     agent = Agent(work, sys.executable, agent_env, cuda_env, args.criu)
+    if args.resident_agent:
+        agent.start_resident()
 
     weights = work / f"weights-{args.gib:g}gib-{args.device}.pt"
     engine = [args.dynamo_python, str(ENGINE), "--gib", f"{args.gib:g}", "--device", args.device,
@@ -454,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                 crc, clines, capture_s = agent.exec("capture", c)
                 state = c.control().get("state")
                 asleep_gpu = gpu.snapshot()
+                huge_asleep = anon_huge_kib(c.entrypoint)
                 asleep = crc == 0 and state == "suspended" and gpu.asleep(before, asleep_gpu, args.gib)
                 if not asleep:
                     ok = False
@@ -479,10 +549,12 @@ def main(argv: list[str] | None = None) -> int:
                 final = wlines[-1] if wlines else {}
                 emit(out, {
                     "kind": "wake", "cycle": cycle, "tier": "suspend", "gib": args.gib, "device": args.device,
+                    "agent": "resident" if args.resident_agent else "exec",
                     "driver": "real" if args.real_driver else "stub", "asleep_s": slept,
                     "capture_s": round(capture_s, 4), "capture_agent_s": clines[-1].get("seconds") if clines else None,
                     "state_asleep": state, "gpu_awake": before, "gpu_asleep": asleep_gpu,
                     "listed_while_asleep": listed, "lease_age_s_while_asleep": lease,
+                    "anon_huge_kib_asleep": huge_asleep,
                     "wake_rc": wrc, "wake_exec_s": round(wake_exec_s, 4), "wake_agent_s": final.get("seconds"),
                     "wake_steps": {s["step"]: s.get("seconds") for s in wlines if "step" in s},
                     "first_answer_s": round(pinned.seconds, 4),
@@ -533,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(wakes) if wakes else None
             emit(out, {"kind": "summary", "gib": args.gib, "device": args.device,
                        "driver": "real" if args.real_driver else "stub", "cycles": args.cycles,
+                       "agent": "resident" if args.resident_agent else "exec",
                        "answered": len(wakes), "wake_first_answer_s": [round(w, 4) for w in wakes],
                        "wake_median_s": round(med, 4) if med is not None else None,
                        "cold_first_answer_s": [round(x, 4) for x in colds],
@@ -547,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"frontend log:\n{tail(fe.log)}")
             emit(out, {"kind": "error", "error": str(e)[-2000:]})
         finally:
+            agent.stop_resident()
             if c is not None:
                 c.stop()
             if fe is not None:
