@@ -16,7 +16,8 @@
  *             memory (cuDevicePrimaryCtxRetain/Release, cuMemGetInfo, and
  *             stub_nvml's nvml* calls):
  *               <function> [dev=<index>] [uuid=<uuid>] rc=<code>
- *   inits     one line per cuInit: "cuInit rc=<code>"
+ *   inits     one line per cuInit: "cuInit rc=<code>" (also in log, in its
+ *             place among the other calls)
  *   queries   one line per cuCheckpointProcessGetState that answered (not in
  *             log, whose call sequences the tests compare):
  *               cuCheckpointProcessGetState pid=<pid> state=<state>
@@ -553,6 +554,7 @@ CUresult cuInit(unsigned int flags)
 	(void)flags;
 	inited = rc == CUDA_SUCCESS;
 	logline_to("inits", "cuInit rc=%d", (int)rc);
+	logline("cuInit rc=%d", (int)rc);
 	return rc;
 }
 
