@@ -251,10 +251,6 @@ static struct {
 	nvmlReturn_t (*Shutdown)(void);
 	nvmlReturn_t (*GetHandleByUUID)(const char *uuid, nvmlDevice_t *dev);
 	nvmlReturn_t (*GetMemoryInfo)(nvmlDevice_t dev, nvmlMemory_t *mem);
-	/* optional: NVML's own list of GPUs (nvml_read_all) */
-	nvmlReturn_t (*GetCount)(unsigned int *n);
-	nvmlReturn_t (*GetHandleByIndex)(unsigned int i, nvmlDevice_t *dev);
-	nvmlReturn_t (*GetUUID)(nvmlDevice_t dev, char *uuid, unsigned int len);
 	int tried, ok;
 	nvmlDevice_t dev[MAX_DEVS];
 	signed char have[MAX_DEVS]; /* 0 not looked up, 1 handle, -1 NVML failed */
@@ -287,9 +283,6 @@ static int nvml_load(void)
 	nvml.Shutdown = sym(h, "nvmlShutdown", NULL);
 	nvml.GetHandleByUUID = sym(h, "nvmlDeviceGetHandleByUUID", NULL);
 	nvml.GetMemoryInfo = sym(h, "nvmlDeviceGetMemoryInfo", NULL);
-	nvml.GetCount = sym(h, "nvmlDeviceGetCount_v2", NULL);
-	nvml.GetHandleByIndex = sym(h, "nvmlDeviceGetHandleByIndex_v2", NULL);
-	nvml.GetUUID = sym(h, "nvmlDeviceGetUUID", NULL);
 	if (!nvml.Init || !nvml.Shutdown || !nvml.GetHandleByUUID || !nvml.GetMemoryInfo ||
 	    nvml.Init() != NVML_SUCCESS)
 		return -1;
@@ -326,66 +319,6 @@ static int nvml_free(int idx, long long *free_b)
 		return -1;
 	}
 	*free_b = (long long)m.free;
-	return 0;
-}
-
-/* Free bytes by UUID, read by NVML alone (no CUDA), in r[0..*nr). */
-struct uuid_free {
-	struct gpu_uuid u;
-	long long free_b;
-};
-
-static int nvml_read(nvmlDevice_t dev, long long *free_b)
-{
-	nvmlMemory_t m;
-
-	if (nvml.GetMemoryInfo(dev, &m) != NVML_SUCCESS || m.free > (unsigned long long)LLONG_MAX)
-		return -1;
-	*free_b = (long long)m.free;
-	return 0;
-}
-
-/* Every GPU NVML lists, with its free bytes: the readings before a restore
- * that the free-memory check and the "gpus" line take without cuInit
- * (restore_check_nvml). NVML lists every GPU of the machine, whatever
- * CUDA_VISIBLE_DEVICES says; the line keeps only those CUDA enumerates
- * after the restore. A GPU it fails on is left out. */
-static void nvml_read_all(struct uuid_free *r, int *nr)
-{
-	unsigned int n = 0;
-
-	*nr = 0;
-	if (nvml_load() || !nvml.GetCount || !nvml.GetHandleByIndex || !nvml.GetUUID ||
-	    nvml.GetCount(&n) != NVML_SUCCESS)
-		return;
-	for (unsigned int i = 0; i < n && *nr < MAX_DEVS; i++) {
-		nvmlDevice_t dev;
-		char u[96];
-
-		if (nvml.GetHandleByIndex(i, &dev) == NVML_SUCCESS && nvml.GetUUID(dev, u, sizeof(u)) == NVML_SUCCESS &&
-		    gpu_uuid_parse(u, &r[*nr].u) == 0 && nvml_read(dev, &r[*nr].free_b) == 0)
-			(*nr)++;
-	}
-}
-
-/* The reading of one UUID: from r when NVML listed it, else NVML by that
- * UUID (a MIG instance is not in NVML's list of GPUs), added to r. */
-static int nvml_free_uuid(struct uuid_free *r, int *nr, const struct gpu_uuid *uuid, long long *free_b)
-{
-	nvmlDevice_t dev;
-	char u[64];
-
-	for (int k = 0; k < *nr; k++)
-		if (!memcmp(r[k].u.b, uuid->b, GPU_UUID_LEN)) {
-			*free_b = r[k].free_b;
-			return 0;
-		}
-	gpu_uuid_format(uuid, u, sizeof(u));
-	if (nvml_load() || *nr == MAX_DEVS || nvml.GetHandleByUUID(u, &dev) != NVML_SUCCESS ||
-	    nvml_read(dev, free_b))
-		return -1;
-	r[*nr].u = *uuid;
-	r[(*nr)++].free_b = *free_b;
 	return 0;
 }
 
@@ -634,21 +567,13 @@ static void write_records(const char *group, const long long *freed)
 	}
 }
 
-/* What the records of the pids say each GPU needs: bytes summed per UUID,
- * after applying the GPU map, into un[0..*nun). Returns 1 when any record
- * was found. */
-struct uuid_need {
-	struct gpu_uuid u;
-	long long need;
-	long long free_b; /* NVML's reading before a restore */
-};
-
-static int read_record_uuids(struct uuid_need *un, int *nun)
+/* need[d] += bytes recorded for the pids, after applying the GPU map.
+ * Returns 1 when any record was found. */
+static int read_records(long long *need)
 {
 	char groups[MAX_PIDS][64];
 	int ngroups = 0, found = 0;
 
-	*nun = 0;
 	for (int i = 0; i < njobs; i++) {
 		char path[PATH_MAX], line[256], group[64] = "";
 		FILE *f;
@@ -670,7 +595,7 @@ static int read_record_uuids(struct uuid_need *un, int *nun)
 			char us[80];
 			long long b;
 			struct gpu_uuid u;
-			int k;
+			int d;
 
 			if (sscanf(line, "%79s %lld", us, &b) != 2 || gpu_uuid_parse(us, &u))
 				continue;
@@ -679,34 +604,11 @@ static int read_record_uuids(struct uuid_need *un, int *nun)
 					u = opt.pairs[p].new_uuid;
 					break;
 				}
-			for (k = 0; k < *nun && memcmp(un[k].u.b, u.b, GPU_UUID_LEN); k++)
-				;
-			if (k == *nun) {
-				if (*nun == MAX_DEVS)
-					continue;
-				un[k].u = u;
-				un[k].need = 0;
-				un[k].free_b = -1;
-				(*nun)++;
-			}
-			un[k].need += b;
+			d = dev_index(&u);
+			if (d >= 0)
+				need[d] += b;
 		}
 		fclose(f);
-	}
-	return found;
-}
-
-/* need[d] += bytes recorded for the pids, on the devices CUDA enumerated. */
-static int read_records(long long *need)
-{
-	struct uuid_need un[MAX_DEVS];
-	int nun, found = read_record_uuids(un, &nun);
-
-	for (int k = 0; k < nun; k++) {
-		int d = dev_index(&un[k].u);
-
-		if (d >= 0)
-			need[d] += un[k].need;
 	}
 	return found;
 }
@@ -1139,27 +1041,9 @@ int main(int argc, char **argv)
 	for (int i = 0; i < njobs; i++)
 		get_state(jobs[i].pid, &jobs[i].state_before);
 	mark("state before");
-	int restore_sampled = 0, nvml_checked = 0, nun = 0, nread = 0;
-	struct uuid_need un[MAX_DEVS];
-	struct uuid_free read_before[MAX_DEVS];
+	int restore_sampled = 0;
 
-	/* A restore's free-memory check by NVML alone, for the GPUs the records
-	 * name, before any cuInit: cuInit took 100-185 ms on the H200 while the
-	 * GPU's only CUDA process was checkpointed, and 10 ms once it ran again
-	 * (docs/BENCHMARKS.md, "Issue 12 on the H200"), so CUDA enumerates the
-	 * GPUs after the restore instead, for the "gpus" line. Whatever this
-	 * cannot settle goes the CUDA way below, which also words a refusal: a
-	 * GPU map or --need (both per CUDA device), no records, a UUID NVML does
-	 * not read, or too little free memory on one. */
-	if (is_restore && !force && !skip_mem && !map && need_bytes < 0 && read_record_uuids(un, &nun) && nun > 0) {
-		nvml_checked = 1;
-		nvml_read_all(read_before, &nread);
-		for (int k = 0; k < nun && nvml_checked; k++)
-			nvml_checked = nvml_free_uuid(read_before, &nread, &un[k].u, &un[k].free_b) == 0 &&
-				       un[k].free_b >= un[k].need;
-		mark("free memory check (nvml)");
-	}
-	if (is_restore && !force && !skip_mem && !nvml_checked && enumerate_devices() == 0) {
+	if (is_restore && !force && !skip_mem && enumerate_devices() == 0) {
 		int have = read_records(need);
 
 		if (need_bytes >= 0) {
@@ -1193,11 +1077,10 @@ int main(int argc, char **argv)
 	int is_ckpt = first == OP_CHECKPOINT || second == OP_CHECKPOINT, rolled_back = 0;
 	int have_dev = is_ckpt && !skip_mem && enumerate_devices() == 0, sampled = 0;
 	/* The "gpus" line of a restore: its reading before (the free-memory
-	 * check's, or one now; after the NVML-only check, that check's for the
-	 * GPUs it read and none for the others) and one after. */
-	int restore_line = is_restore && json && !skip_mem && (nvml_checked || enumerate_devices() == 0);
+	 * check's, or one now) and one after. */
+	int restore_line = is_restore && json && !skip_mem && enumerate_devices() == 0;
 
-	if (restore_line && !restore_sampled && !nvml_checked)
+	if (restore_line && !restore_sampled)
 		sample_free(free_before, src_before);
 	mark("free memory before");
 
@@ -1267,20 +1150,10 @@ int main(int argc, char **argv)
 		if (json)
 			gpus_line(free_before, src_before, free_after, src_after);
 	}
-	if (restore_line && enumerate_devices() == 0) {
+	if (restore_line) {
 		long long free_after[MAX_DEVS];
 		signed char src_after[MAX_DEVS];
 
-		for (int d = 0; nvml_checked && d < ndev; d++) {
-			free_before[d] = -1;
-			src_before[d] = SRC_NONE;
-			for (int k = 0; k < nread; k++)
-				if (!memcmp(read_before[k].u.b, dev_uuid[d].b, GPU_UUID_LEN)) {
-					free_before[d] = read_before[k].free_b;
-					src_before[d] = SRC_NVML;
-					mem_src_used |= 1u << SRC_NVML;
-				}
-		}
 		sample_free(free_after, src_after);
 		gpus_line(free_before, src_before, free_after, src_after);
 	}
@@ -1288,8 +1161,6 @@ int main(int argc, char **argv)
 		for (int d = 0; d < ndev && njobs == 1; d++)
 			if (need[d] > 0)
 				jobs[0].bytes = (jobs[0].bytes < 0 ? 0 : jobs[0].bytes) + need[d];
-		for (int k = 0; nvml_checked && k < nun && njobs == 1; k++)
-			jobs[0].bytes = (jobs[0].bytes < 0 ? 0 : jobs[0].bytes) + un[k].need;
 		if (!fails)
 			drop_records();
 	}

@@ -135,27 +135,6 @@ MUTATIONS = (
         "\treturn r == CUDA_ERROR_NOT_INITIALIZED && driver_init();",
         "\treturn 0 && r == CUDA_ERROR_NOT_INITIALIZED && driver_init();",
         tests=TESTS, k=K),
-    mutation(
-        "resume-check-through-cuda-only", "a resume's free-memory check always enumerates with CUDA first (cuInit "
-        "before the restore)", C,
-        "\tif (is_restore && !force && !skip_mem && !map && need_bytes < 0 && read_record_uuids(",
-        "\tif (0 && is_restore && !force && !skip_mem && !map && need_bytes < 0 && read_record_uuids(",
-        tests=TESTS, k=K),
-    mutation(
-        "nvml-check-ignores-need", "the NVML-only check passes whatever memory is free", C,
-        "\t\t\t\t       un[k].free_b >= un[k].need;",
-        "\t\t\t\t       un[k].free_b >= 0;",
-        tests=TESTS, k=K),
-    mutation(
-        "nvml-check-despite-need-bytes", "the NVML-only check taken with --need-bytes (which is per CUDA device)", C,
-        "!map && need_bytes < 0 && read_record_uuids",
-        "!map && read_record_uuids",
-        tests=TESTS, k=K),
-    mutation(
-        "gpus-line-loses-nvml-readings", "after the NVML-only check, the `gpus` line's readings before are dropped", C,
-        "\t\t\t\t\tfree_before[d] = read_before[k].free_b;",
-        "\t\t\t\t\tfree_before[d] = -1;",
-        tests=TESTS, k=K),
 )
 
 

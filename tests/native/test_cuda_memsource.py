@@ -123,58 +123,6 @@ def test_refusal_after_a_save_through_nvml(stub: Stub) -> None:
     assert stub.state(21) == CHECKPOINTED
 
 
-def _resume_fns(stub: Stub, *args: str) -> tuple[int, list[str]]:
-    """Save pid 21 (8 GiB freed on GPU 0), then resume it with ``args``: the resume's exit status
-    and the calls it made, cuInit among them, in order."""
-    stub.control(f"mem 21 0 {8 * GIB}")
-    assert stub.run("--action", "save", "--pid", "21").rc == 0
-    n = len(stub.log())
-    r = stub.run("--action", "resume", "--pid", "21", "--json", *args)
-    return r.rc, stub.fns()[n:]
-
-
-def test_a_resume_reads_free_memory_through_nvml_and_makes_no_cuinit_before_the_restore(stub: Stub) -> None:
-    """cuInit cost 100-185 ms on the H200 while the GPU's only CUDA process was checkpointed, 10 ms
-    once it ran again: the free-memory check reads NVML by the records' UUIDs, and CUDA enumerates
-    the GPUs (for the gpus line) only after the restore."""
-    stub.set_devices((UUID0, 10 * GIB, 80 * GIB), (UUID1, 30 * GIB, 80 * GIB))
-    rc, fns = _resume_fns(stub)
-    assert rc == 0 and stub.state(21) == RUNNING
-    restore = fns.index("cuCheckpointProcessRestore")
-    assert "cuInit" in fns and fns.index("cuInit") > restore, fns
-    assert "nvmlDeviceGetMemoryInfo" in fns[:restore] and not [f for f in fns if f in CONTEXT]
-
-
-@pytest.mark.parametrize("case", ["too-little-free", "gpu-map", "need-bytes", "nvml-fails", "no-record"])
-def test_what_nvml_cannot_settle_goes_the_cuda_way_before_the_restore(stub: Stub, case: str) -> None:
-    stub.set_devices((UUID0, 10 * GIB, 80 * GIB))
-    args: tuple[str, ...] = ()
-    if case == "gpu-map":
-        args = ("--gpu-map", f"{UUID0}={UUID0}")
-    elif case == "need-bytes":
-        args = ("--need-bytes", str(GIB))
-    elif case == "nvml-fails":
-        stub.control(f"fail nvmlDeviceGetMemoryInfo * {NVML_ERROR_UNKNOWN}")
-    if case == "too-little-free":
-        stub.control(f"mem 21 0 {8 * GIB}")
-        assert stub.run("--action", "save", "--pid", "21").rc == 0
-        stub.set_devices((UUID0, 3 * GIB, 80 * GIB))  # another workload took memory meanwhile
-        n = len(stub.log())
-        r = stub.run("--action", "resume", "--pid", "21", "--json")
-        # refused by the CUDA way's check, worded with the GPU's index as before
-        assert r.rc == 3 and "GPU 0 (" in r.err and stub.state(21) == CHECKPOINTED
-        assert "cuInit" in stub.fns()[n:]
-        return
-    if case == "no-record":
-        stub.set_state(CHECKPOINTED, 21)
-        r = stub.run("--action", "resume", "--pid", "21", "--json", *args)
-        rc, fns = r.rc, stub.fns()
-    else:
-        rc, fns = _resume_fns(stub, *args)
-    assert rc == 0 and stub.state(21) == RUNNING
-    assert fns.index("cuInit") < fns.index("cuCheckpointProcessRestore"), fns
-
-
 def test_no_reading_no_nvml(stub: Stub) -> None:
     """Calls that sample nothing do not load NVML and say so in the JSON."""
     stub.set_state(CHECKPOINTED, 21)

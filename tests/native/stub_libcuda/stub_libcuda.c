@@ -16,8 +16,7 @@
  *             memory (cuDevicePrimaryCtxRetain/Release, cuMemGetInfo, and
  *             stub_nvml's nvml* calls):
  *               <function> [dev=<index>] [uuid=<uuid>] rc=<code>
- *   inits     one line per cuInit: "cuInit rc=<code>" (also in log, in its
- *             place among the other calls)
+ *   inits     one line per cuInit: "cuInit rc=<code>"
  *   queries   one line per cuCheckpointProcessGetState that answered (not in
  *             log, whose call sequences the tests compare):
  *               cuCheckpointProcessGetState pid=<pid> state=<state>
@@ -554,7 +553,6 @@ CUresult cuInit(unsigned int flags)
 	(void)flags;
 	inited = rc == CUDA_SUCCESS;
 	logline_to("inits", "cuInit rc=%d", (int)rc);
-	logline("cuInit rc=%d", (int)rc);
 	return rc;
 }
 

@@ -5,9 +5,7 @@
  * ../stub_libcuda/stub_files.h (formats in stub_libcuda.c).
  *
  * Only what dynsnap-cuda calls: nvmlInit_v2, nvmlShutdown,
- * nvmlDeviceGetHandleByUUID, nvmlDeviceGetMemoryInfo, and the list of GPUs
- * (nvmlDeviceGetCount_v2, nvmlDeviceGetHandleByIndex_v2, nvmlDeviceGetUUID:
- * the devices file's, in its order). As the real library
+ * nvmlDeviceGetHandleByUUID, nvmlDeviceGetMemoryInfo. As the real library
  * does, it answers NVML_ERROR_UNINITIALIZED before nvmlInit_v2 and after the
  * matching nvmlShutdown, and NVML_ERROR_NOT_FOUND for a UUID it does not
  * know; it finds a device by its UUID exactly as nvidia-smi prints it
@@ -16,7 +14,6 @@
  *   fail nvmlInit_v2 * <code>                  that call returns <code>
  *   fail nvmlDeviceGetHandleByUUID <dev|*> <code>
  *   fail nvmlDeviceGetMemoryInfo <dev|*> <code>
- *   fail nvmlDeviceGetCount_v2 * <code>
  *   nvmlskew <dev> <bytes>    report that much less free memory than
  *                             cuMemGetInfo does, so a test can tell whose
  *                             number the CLI used (the real two differ too)
@@ -144,61 +141,5 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 		}
 	}
 	logline("nvmlDeviceGetMemoryInfo dev=%d rc=%d", dev, rc);
-	return rc;
-}
-
-nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
-{
-	struct devs d;
-	long long code = control("fail", "nvmlDeviceGetCount_v2", 0);
-	nvmlReturn_t rc = NVML_SUCCESS;
-
-	read_devs(&d);
-	if (!inits)
-		rc = NVML_ERROR_UNINITIALIZED;
-	else if (!count)
-		rc = NVML_ERROR_INVALID_ARGUMENT;
-	else if (code >= 0)
-		rc = (nvmlReturn_t)code;
-	else
-		*count = (unsigned int)d.n;
-	logline("nvmlDeviceGetCount_v2 rc=%d", rc);
-	return rc;
-}
-
-nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
-{
-	struct devs d;
-	nvmlReturn_t rc = NVML_SUCCESS;
-
-	read_devs(&d);
-	if (!inits) {
-		rc = NVML_ERROR_UNINITIALIZED;
-	} else if (!device || index >= (unsigned int)d.n) {
-		rc = NVML_ERROR_INVALID_ARGUMENT;
-	} else {
-		handles[index].index = (int)index;
-		*device = &handles[index];
-	}
-	logline("nvmlDeviceGetHandleByIndex_v2 dev=%u rc=%d", index, rc);
-	return rc;
-}
-
-nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
-{
-	struct devs d;
-	nvmlReturn_t rc = NVML_SUCCESS;
-	int dev = -1;
-
-	read_devs(&d);
-	if (device >= handles && device < handles + MAXD)
-		dev = device->index;
-	if (!inits)
-		rc = NVML_ERROR_UNINITIALIZED;
-	else if (dev < 0 || dev >= d.n || !uuid || length < 41)
-		rc = NVML_ERROR_INVALID_ARGUMENT;
-	else
-		uuid_str(d.uuid[dev], uuid, length);
-	logline("nvmlDeviceGetUUID dev=%d rc=%d", dev, rc);
 	return rc;
 }
