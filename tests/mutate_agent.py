@@ -109,6 +109,17 @@ MUTATIONS = (
         "        interp = elf_interpreter(files.fds[-1])\n",
         "        raise NotElf(\"mutant\")\n",
         tests=[CRIU_FDS]),
+    mutation(
+        "pages-read-last-line-only", "the restore's pagesRead takes the last restorer's thread count, not the "
+        "most any used", CRIU,
+        "                    threads = max(threads, int(m.group(2)))\n",
+        "                    threads = int(m.group(2))\n",
+        tests=["tests/unit/test_agent_criu.py"]),
+    mutation(
+        "pages-read-not-reported", "the restore step does not say how CRIU read the pages", EXECUTOR,
+        "        info[\"pagesRead\"] = vars(res.pages_read) if res.pages_read else None\n",
+        "        info[\"pagesRead\"] = None\n",
+        tests=["tests/native/test_agent_exec.py::test_a_snapshot_wake_reads_the_pages_back_with_several_threads"]),
 )
 
 SUITE = Suite(

@@ -73,8 +73,8 @@ from pathlib import Path
 from dynsnap.models.ids import HostPid, NsPid
 from dynsnap.runtime.command import CommandError, find_tool, run_command
 
-__all__ = ["CriuError", "CriuResult", "NamespaceTarget", "classify", "criu_dump", "criu_restore", "elf_interpreter",
-           "library_dirs"]
+__all__ = ["CriuError", "CriuResult", "NamespaceTarget", "PagesRead", "classify", "criu_dump", "criu_restore",
+           "elf_interpreter", "library_dirs", "pages_read"]
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -113,6 +113,39 @@ class CriuResult:
     log_path: Path
     seconds: float
     pid: NsPid  # in-namespace pid of the tree root (dumped, or restored)
+    pages_read: PagesRead | None = None  # a restore's: how the restorers read the pages (None: stock's loop)
+
+
+# hack/patches/criu/0002: each restored process's restorer says how it read its pages, at -v4 and above.
+_PAGES_READ = re.compile(rb"dynsnap: read (\d+) bytes of pages with (\d+) threads")
+_LOG_SCAN_LIMIT = 256 << 20  # a restore log at -v4 is a few MiB; never read more than this
+
+
+@dataclass(frozen=True)
+class PagesRead:
+    """What the restorers of a tree said of their page reads: bytes in all, the most threads one
+    used, and how many processes read theirs that way."""
+
+    bytes: int
+    threads: int
+    processes: int
+
+
+def pages_read(log_path: Path) -> PagesRead | None:
+    """How CRIU's restorers read the pages (hack/patches/criu/0002), from a restore log. None when no
+    process read its pages with the patch's threads: a stock CRIU, one thread, or too few pages."""
+    total = threads = n = 0
+    try:
+        with open(log_path, "rb") as f:
+            for line in f.readlines(_LOG_SCAN_LIMIT):
+                m = _PAGES_READ.search(line)
+                if m:
+                    total += int(m.group(1))
+                    threads = max(threads, int(m.group(2)))
+                    n += 1
+    except OSError:
+        return None
+    return PagesRead(bytes=total, threads=threads, processes=n) if n else None
 
 
 @dataclass(frozen=True)
@@ -344,7 +377,7 @@ async def criu_restore(target: NamespaceTarget, images_dir: Path, *, opts: CriuO
         pid = NsPid(int(pidfile.read_text().strip()))
     except (OSError, ValueError) as e:
         raise CriuError("criu restore wrote no pidfile", log_path=log_path) from e
-    return CriuResult(images_dir=images_dir, log_path=log_path, seconds=secs, pid=pid)
+    return CriuResult(images_dir=images_dir, log_path=log_path, seconds=secs, pid=pid, pages_read=pages_read(log_path))
 
 
 def dump_completed(images_dir: Path) -> bool:

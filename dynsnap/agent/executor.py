@@ -384,6 +384,8 @@ class Executor:
             raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.log_tail[-1500:]}") from e
         info["criuSeconds"] = res.seconds
         info["source"] = str(source)
+        # How CRIU read the pages back: threads (hack/patches/criu/0002) or stock's loop (None)
+        info["pagesRead"] = vars(res.pages_read) if res.pages_read else None
         slept = _seconds_since(meta.get("created"))
         limit = self.settings.reset_apiserver_connections_after
         if limit and slept is not None and slept > limit:

@@ -24,8 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE = Path(os.environ.get("DYNSNAP_NATIVE_BIN", ROOT / "native" / "build"))
 GPU_UUID = "GPU-28fd6b9c-4fb2-cd33-0776-4018cd000d99"
 COUNTER = """
-import os, sys, time
+import hashlib, os, sys, time
 ctl = sys.argv[1]
+# BALLAST MiB of private memory with a pattern (each MiB its index): pages for CRIU's restorer threads
+mib = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+ballast = bytearray(mib << 20)
+for i in range(mib):
+    ballast[i << 20:(i << 20) + 8] = i.to_bytes(8, "little")
+digest = hashlib.sha256(ballast).hexdigest()
 n = 0
 while True:
     n += 1
@@ -33,6 +39,11 @@ while True:
     with open(tmp, "w") as f:
         f.write(str(n))
     os.replace(tmp, os.path.join(ctl, "count"))
+    if os.path.exists(os.path.join(ctl, "verify")):
+        with open(tmp, "w") as f:
+            f.write("ok" if hashlib.sha256(ballast).hexdigest() == digest else "bad")
+        os.unlink(os.path.join(ctl, "verify"))
+        os.replace(tmp, os.path.join(ctl, "verified"))
     time.sleep(0.05)
 """
 
@@ -51,7 +62,7 @@ def _need() -> str:
 class Container:
     """The worker under the entrypoint in its own pid + mount namespace (a runtime's container)."""
 
-    def __init__(self, work: Path, driver: StubDriver) -> None:
+    def __init__(self, work: Path, driver: StubDriver, ballast_mib: int = 0) -> None:
         self.ctl = work / "ctl"
         self.ctl.mkdir(parents=True)
         script = work / "counter.py"
@@ -62,7 +73,7 @@ class Container:
         inner = (f"mkdir -p /run/dynsnap && mount -t tmpfs emptydir /run/dynsnap && "
                  f"LD_PRELOAD={driver.libcuda} exec {sys.executable} -c '{close_fds}' "
                  f"{NATIVE / 'dynsnap-entrypoint'} --control-dir /run/dynsnap --system-port 9090 --probe-port 18081 "
-                 f"-- {sys.executable} {script} {self.ctl}")
+                 f"-- {sys.executable} {script} {self.ctl} {ballast_mib}")
         self.proc = subprocess.Popen(
             [find_tool("unshare"), "--pid", "--fork", "--kill-child", "--mount-proc", "--mount", "--propagation",
              "private", "--", "sh", "-c", inner],
@@ -76,6 +87,15 @@ class Container:
                 break
             time.sleep(0.1)
         assert self.entrypoint, (work / "container.log").read_text()
+
+    def ballast_intact(self) -> bool:
+        """The worker's own check of its ballast (every byte as it was written)."""
+        (self.ctl / "verify").touch()
+        for _ in range(200):
+            if (self.ctl / "verified").exists():
+                return (self.ctl / "verified").read_text() == "ok"
+            time.sleep(0.05)
+        raise TimeoutError("the worker did not check its ballast within 10 s")
 
     def count(self) -> int:
         return int((self.ctl / "count").read_text())
@@ -138,6 +158,31 @@ def test_exec_captures_and_wakes_without_kubernetes(container: tuple[Container, 
     assert c.counting() and c.count() > before
     assert set(driver.states().values()) == {0}  # every GPU process running again
     assert not any((tmp_path / "images").rglob("*.img")), "the woken-from images are deleted"
+
+
+def test_a_snapshot_wake_reads_the_pages_back_with_several_threads(tmp_path: Path) -> None:
+    """hack/patches/criu/0002 on the agent's path: CRIU run by the agent in the worker's namespaces, the
+    entrypoint as PID 1 with its pid floor, a worker of 256 MiB. The restore step says how the pages came
+    back (threads: one per CPU, at most 16), and the worker's memory is intact."""
+    _need()
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        pytest.skip("one CPU: CRIU reads with its stock loop")
+    driver = build_stub_driver(tmp_path / "stub")
+    c = Container(tmp_path, driver, ballast_mib=256)
+    try:
+        uid = str(uuid.uuid4())
+        rc, out = _exec(tmp_path, driver, c, uid, "capture", "snapshot", "--quiesced")
+        assert rc == 0 and out[-1]["state"] == "Suspended", out
+        rc, out = _exec(tmp_path, driver, c, uid, "wake", "snapshot")
+        assert rc == 0 and out[-1]["state"] == "Active", out
+        (restore,) = [o for o in out if o.get("step") == "restore"]
+        read = restore["pagesRead"]
+        assert read is not None, restore  # None: CRIU's one-thread loop read them
+        assert read["threads"] == min(cpus, 16) and read["bytes"] >= 256 << 20 and read["processes"] >= 1, read
+        assert c.counting() and c.ballast_intact()
+    finally:
+        c.stop()
 
 
 def test_exec_records_each_gpus_free_memory_as_the_helper_read_it(container: tuple[Container, StubDriver],

@@ -18,10 +18,12 @@ from dynsnap.agent.criu import (
     CriuError,
     CriuOptions,
     NotElf,
+    PagesRead,
     _Files,
     _launch,
     elf_interpreter,
     library_dirs,
+    pages_read,
 )
 
 
@@ -163,3 +165,14 @@ def test_a_missing_criu_is_a_criu_error(tmp_path: Path) -> None:
         asyncio.run(_launch(CriuOptions(binary=str(tmp_path / "nope")), tmp_path, files, timeout=30,
                             log_path=tmp_path / "dump.log"))
     assert files.fds == []
+
+
+def test_pages_read_sums_the_restorers_lines_and_is_none_for_stocks_loop(tmp_path: Path) -> None:
+    log = tmp_path / "restore.log"
+    log.write_text("(00.04) pie: 15: dynsnap: reading 545361920 bytes of pages with 4 threads\n"
+                   "(00.11) pie: 15: dynsnap: read 545361920 bytes of pages with 4 threads\n"
+                   "(00.12) pie: 16: dynsnap: read 1048576 bytes of pages with 2 threads\n")
+    assert pages_read(log) == PagesRead(bytes=545361920 + 1048576, threads=4, processes=2)
+    log.write_text("(00.04) pie: 15: Preadv 0x7f00:4096... (3 iovs)\n")  # stock CRIU's loop, at -v4
+    assert pages_read(log) is None
+    assert pages_read(tmp_path / "missing.log") is None
