@@ -7,9 +7,11 @@ carries its own index, then idles: every 0.05 s it looks for ``verify`` in its w
 and answers in ``verified`` with the pattern check and its AnonHugePages. CRIU dumps it and
 restores it; the restored process answers the same way from where it stopped. It ends when its
 caller kills it, or after an hour. With THREADS, that many more threads idle beside it, and both
-answers list the process's thread ids (a restore must bring each back).
+answers list the process's thread ids (a restore must bring each back). With CHILD_MIB, it first
+forks a child that holds CHILD_MIB MiB the same way (its blocks numbered from 2^20, so that a page
+of one process landing in the other shows), answering in WORKDIR/child.
 
-Run: python3 holder.py WORKDIR MIB [THREADS]   (stdio and session are the caller's to detach)
+Run: python3 holder.py WORKDIR MIB [THREADS [CHILD_MIB]]   (stdio and session are the caller's to detach)
 """
 from __future__ import annotations
 
@@ -39,17 +41,16 @@ def tids() -> list[int]:
     return sorted(int(t) for t in os.listdir("/proc/self/task"))
 
 
-def main() -> None:
-    work, mib = sys.argv[1], int(sys.argv[2])
+def hold(work: str, mib: int, threads: int, salt: int) -> None:
     stop = threading.Event()
-    for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 0):
+    for _ in range(threads):
         threading.Thread(target=stop.wait, args=(3600,), daemon=True).start()
     size = mib << 20
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_HUGEPAGE)
     base = bytes(range(256)) * (MIB // 256)
     for i in range(size // MIB):
-        m[i * MIB:(i + 1) * MIB] = block(i, base)
+        m[i * MIB:(i + 1) * MIB] = block(salt + i, base)
     with open(os.path.join(work, "ready.tmp"), "w") as f:
         json.dump({"pid": os.getpid(), "anon_huge_kib": anon_huge_kib(), "tids": tids()}, f)
     os.rename(os.path.join(work, "ready.tmp"), os.path.join(work, "ready"))
@@ -57,7 +58,7 @@ def main() -> None:
     for _ in range(int(3600 / 0.05)):  # the caller kills it; an hour at most
         if os.path.exists(req):
             t0 = time.monotonic()
-            bad = [i for i in range(size // MIB) if m[i * MIB:(i + 1) * MIB] != block(i, base)]
+            bad = [i for i in range(size // MIB) if m[i * MIB:(i + 1) * MIB] != block(salt + i, base)]
             out = {"pid": os.getpid(), "ok": not bad, "bad_blocks": bad[:10], "verify_s": time.monotonic() - t0,
                    "anon_huge_kib": anon_huge_kib(), "tids": tids()}
             os.unlink(req)
@@ -65,6 +66,21 @@ def main() -> None:
                 json.dump(out, f)
             os.rename(os.path.join(work, "verified.tmp"), os.path.join(work, "verified"))
         time.sleep(0.05)
+
+
+def main() -> None:
+    work, mib = sys.argv[1], int(sys.argv[2])
+    threads = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    child_mib = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    if child_mib:  # a child of its own, forked before any thread: CRIU dumps and restores both
+        child_work = os.path.join(work, "child")
+        os.makedirs(child_work, exist_ok=True)
+        if os.fork() == 0:
+            try:
+                hold(child_work, child_mib, 0, 1 << 20)  # its blocks carry other indices than its parent's
+            finally:
+                os._exit(0)
+    hold(work, mib, threads, 0)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,14 @@ def _wait(path: Path, timeout: float = 120) -> dict:
     raise TimeoutError(f"no {path.name} within {timeout:.0f} s")
 
 
+def _wait_gone(pid: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} was not reaped within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
 @dataclass
 class _Run:
     before: dict  # the holder's answer before the dump
@@ -65,30 +73,36 @@ class _Run:
     log: str  # restore.log
     pid: int = 0  # the restored process (0: the restore failed)
     after: dict = field(default_factory=dict)  # its answer after the restore
+    child_before: dict = field(default_factory=dict)  # the holder's child's answers, when it has one
+    child_after: dict = field(default_factory=dict)
 
 
 def _dump_and_restore(tmp_path: Path, mib: int, *, threads: int = 0, read_threads: str | None = None,
-                      cut_image_mib: int = 0, min_huge: bool = False) -> _Run:
-    """Dump a holder of ``mib`` MiB (and ``threads`` more threads), optionally cut the end off its
-    largest pages image, restore it with DYNSNAP_CRIU_READ_THREADS=``read_threads`` (None:
-    unset), and ask the restored process for its pattern check and thread ids."""
+                      cut_image_mib: int = 0, min_huge: bool = False, child_mib: int = 0) -> _Run:
+    """Dump a holder of ``mib`` MiB (and ``threads`` more threads, and a child of ``child_mib`` MiB),
+    optionally cut the end off its largest pages image, restore it with
+    DYNSNAP_CRIU_READ_THREADS=``read_threads`` (None: unset), and ask the restored processes for
+    their pattern checks and thread ids (the child's in ``child_before`` and ``child_after``)."""
     if os.geteuid() != 0:
         pytest.skip("CRIU dumps and restores as root")
     criu = _criu()
     images = tmp_path / "images"
     images.mkdir(mode=0o700)
-    holder = subprocess.Popen([sys.executable, str(HOLDER), str(tmp_path), str(mib), str(threads)],
+    holder = subprocess.Popen([sys.executable, str(HOLDER), str(tmp_path), str(mib), str(threads), str(child_mib)],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True, cwd=tmp_path)
     run: _Run | None = None
     try:
         before = _wait(tmp_path / "ready")
+        child_before = _wait(tmp_path / "child" / "ready") if child_mib else {}
         if min_huge and before["anon_huge_kib"] < mib * 1024 // 2:
             pytest.skip(f"the kernel gave the live process only {before['anon_huge_kib']} KiB of huge pages "
                         "(fragmented memory): nothing to compare the restore with")
         subprocess.run([str(criu), "dump", "-t", str(holder.pid), "-D", str(images), "-o", "dump.log"],
                        check=True, timeout=120, stdin=subprocess.DEVNULL)
         holder.wait(timeout=30)
+        if child_mib:  # killed by the dump and reparented to PID 1: its pid (and the session's) is free once reaped
+            _wait_gone(child_before["pid"])
         if cut_image_mib:
             pages = max(images.glob("pages-*.img"), key=lambda f: f.stat().st_size)
             os.truncate(pages, pages.stat().st_size - (cut_image_mib << 20))
@@ -98,14 +112,18 @@ def _dump_and_restore(tmp_path: Path, mib: int, *, threads: int = 0, read_thread
         res = subprocess.run([str(criu), "restore", "-v4", "-D", str(images), "-o", "restore.log",
                               "--restore-detached", "--pidfile", str(tmp_path / "restored.pid")],
                              timeout=120, stdin=subprocess.DEVNULL, capture_output=True, env=env)
-        run = _Run(before=before, restore=res, log=(images / "restore.log").read_text(errors="replace"))
+        run = _Run(before=before, restore=res, log=(images / "restore.log").read_text(errors="replace"),
+                   child_before=child_before)
         if res.returncode == 0:
             run.pid = int((tmp_path / "restored.pid").read_text())
             (tmp_path / "verify").touch()
             run.after = _wait(tmp_path / "verified")
+            if child_mib:
+                (tmp_path / "child" / "verify").touch()
+                run.child_after = _wait(tmp_path / "child" / "verified")
         return run
     finally:
-        for pid in (holder.pid, run.pid if run else 0):
+        for pid in (holder.pid, run.pid if run else 0, child_before.get("pid", 0) if child_mib else 0):
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -144,6 +162,20 @@ def test_pages_are_read_by_several_threads_and_every_byte_and_thread_comes_back(
     nbytes, nthreads = map(int, read[0])
     assert nthreads == 4
     assert nbytes >= PARALLEL_MIB << 20  # the whole mapping went through the readers
+
+
+def test_two_processes_of_a_tree_each_read_theirs_with_threads_and_get_their_own_pages(tmp_path: Path) -> None:
+    # Each restorer starts its helpers under the tree's last_pid_mutex: the two reads take turns, and
+    # neither process's helpers hold a pid the other's threads are restored with. Each process's
+    # blocks carry their own numbers, so a page restored into the wrong process shows.
+    run = _dump_and_restore(tmp_path, PARALLEL_MIB, threads=2, read_threads="3", child_mib=PARALLEL_MIB // 2)
+    _restored_whole(run)
+    child_pid = run.child_before["pid"]
+    assert run.child_after["pid"] == child_pid and run.child_after["ok"], run.child_after
+    assert run.child_after["tids"] == run.child_before["tids"]
+    read = READ_LINE.findall(run.log)
+    assert sorted(int(n) for _, n in read) == [3, 3], run.log[-3000:]  # one line per process
+    assert sorted(int(b) >> 20 for b, _ in read)[0] >= PARALLEL_MIB // 2
 
 
 def test_one_read_thread_reads_as_stock_criu(tmp_path: Path) -> None:
