@@ -36,7 +36,7 @@ class AgentSettings(BaseModel):
     criu: Annotated[str, Field(description=(
         "The CRIU binary, 4.2.1 or later (4.1.1 cannot dump TCP/UDP sockets on kernels >= 6.16); the agent image's "
         "carries dynsnap's patches (docs/CRIU_PATCHES.md: a stock one works, but restores huge-page memory onto 4 KiB "
-        "pages, a slower snapshot wake). As the agent finds "
+        "pages and reads a snapshot's pages with one thread, a slower snapshot wake). As the agent finds "
         "it (a bare name: on the agent's PATH). It runs inside the worker's namespaces, started by the agent's loader "
         "with the agent's libraries (those the agent's loader resolves), all handed over as open descriptors, like "
         "the images and plugin directories: the worker's container needs none of them. A script instead runs by its "
