@@ -308,13 +308,16 @@ class Agent:
     # bench/e2e/resident_agent.py, started once (a node agent's process): None runs `agent exec` per action
     resident: subprocess.Popen[str] | None = None
 
+    def settings(self) -> dict[str, Any]:
+        """The agent's settings, the same for `agent exec` (as flags) and the resident agent (as JSON)."""
+        return {"images_root": str(self.work / "images"), "state_dir": str(self.work / "state"),
+                "cuda_helper": str(NATIVE / "dynsnap-cuda"), "tcp_established": False, "network_lock": "",
+                "cuda_env": self.cuda_env, **({"criu": self.criu} if self.criu else {})}
+
     def start_resident(self) -> None:
-        settings = {"images_root": str(self.work / "images"), "state_dir": str(self.work / "state"),
-                    "cuda_helper": str(NATIVE / "dynsnap-cuda"), "tcp_established": False, "network_lock": "",
-                    "cuda_env": self.cuda_env, **({"criu": self.criu} if self.criu else {})}
         with open(self.work / "agent.log", "a") as log_file:  # the child keeps its own descriptor
             self.resident = subprocess.Popen(
-                [self.python, str(ROOT / "bench" / "e2e" / "resident_agent.py"), json.dumps(settings)],
+                [self.python, str(ROOT / "bench" / "e2e" / "resident_agent.py"), json.dumps(self.settings())],
                 env=self.env, cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file)
 
     def stop_resident(self) -> None:
@@ -354,13 +357,13 @@ class Agent:
     def exec(self, action: str, c: Container) -> tuple[int, list[dict[str, Any]], float]:
         if self.resident is not None:
             return self._resident_exec(action, c)
-        argv = [self.python, "-m", "dynsnap", "agent", "--images-root", str(self.work / "images"),
-                "--state-dir", str(self.work / "state"), "--cuda-helper", str(NATIVE / "dynsnap-cuda"),
-                "--tcp-established", "false", "--network-lock", ""]
-        if self.criu:
-            argv += ["--criu", self.criu]
-        for k, v in self.cuda_env.items():
-            argv += ["--cuda-env", f"{k}={v}"]
+        argv = [self.python, "-m", "dynsnap", "agent"]
+        for name, value in self.settings().items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, dict):
+                argv += [a for k, v in value.items() for a in (flag, f"{k}={v}")]
+            else:
+                argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
         argv += ["exec", action, "--pod-uid", c.uid, "--entrypoint-pid", str(c.entrypoint), "--tier", "suspend"]
         if action == "capture":
             argv.append("--quiesced")
@@ -484,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_env.update(cuda_env)
     agent_env = {**os.environ, "PYTHONPATH": ":".join(x for x in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if x)}
     agent = Agent(work, sys.executable, agent_env, cuda_env, args.criu)
+    agent_mode = "resident" if args.resident_agent else "exec"
     if args.resident_agent:
         agent.start_resident()
 
@@ -549,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                 final = wlines[-1] if wlines else {}
                 emit(out, {
                     "kind": "wake", "cycle": cycle, "tier": "suspend", "gib": args.gib, "device": args.device,
-                    "agent": "resident" if args.resident_agent else "exec",
+                    "agent": agent_mode,
                     "driver": "real" if args.real_driver else "stub", "asleep_s": slept,
                     "capture_s": round(capture_s, 4), "capture_agent_s": clines[-1].get("seconds") if clines else None,
                     "state_asleep": state, "gpu_awake": before, "gpu_asleep": asleep_gpu,
@@ -605,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(wakes) if wakes else None
             emit(out, {"kind": "summary", "gib": args.gib, "device": args.device,
                        "driver": "real" if args.real_driver else "stub", "cycles": args.cycles,
-                       "agent": "resident" if args.resident_agent else "exec",
+                       "agent": agent_mode,
                        "answered": len(wakes), "wake_first_answer_s": [round(w, 4) for w in wakes],
                        "wake_median_s": round(med, 4) if med is not None else None,
                        "cold_first_answer_s": [round(x, 4) for x in colds],

@@ -177,12 +177,6 @@ class Stub:
     def ops(self) -> list[tuple[str, int]]:
         return [(c.fn, c.pid) for c in self.calls()]
 
-    def queries(self) -> list[tuple[int, int]]:
-        """Every answered cuCheckpointProcessGetState, in order: (pid, state it answered)."""
-        f = self.dir / "queries"
-        lines = f.read_text().splitlines() if f.exists() else []
-        return [(int(p.removeprefix("pid=")), int(s.removeprefix("state="))) for _, p, s in (x.split() for x in lines)]
-
 
 def hexid(uuid: str) -> str:
     """A UUID as the stub logs it: 32 lowercase hex digits."""
