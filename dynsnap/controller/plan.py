@@ -9,8 +9,12 @@ Deterministic, so two reconciles of two workers of one component agree on who st
 - Awake workers are ranked to stay awake: manual override ``active`` first, then those not idle
   long enough, then the most recently active, then by name. A worker may go to sleep only when
   it is idle past ``idle-after`` and the awake, *ready* workers left without it are still at
-  least ``need``: a worker that is still waking or verifying does not count, so the component
-  never drops below ``min-active`` serving workers, not even for a moment.
+  least ``need``. Its idleness counts from the later of the agent's ``idleSince`` and its last
+  proven return to serving (a verified wake or recall): the agent's facts come back from a sleep
+  as they were before it, so without that a worker woken for load would be idle at once, and
+  quiesced again before the load had reached it. A worker still waking or verifying is not
+  ready, so the component never drops below ``min-active`` serving workers, not even for a
+  moment.
 - When fewer than ``need`` are awake (or on their way), a capture still quiescing is called off
   first (cheapest), then sleeping workers are woken, most recently captured first.
 - The manual override wins over idleness and demand, except that ``suspended`` is refused with
@@ -62,6 +66,7 @@ class WorkerView:
     last_activity: datetime | None = None
     last_capture: datetime | None = None
     override: str | None = None  # DesiredState value from dynsnap.io/desired-state
+    serving_since: datetime | None = None  # its last verified return to serving (a wake or a recall)
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,10 @@ def needed(policy: Policy, demand: Demand | None) -> int:
 
 
 def _idle_for(w: WorkerView, now: datetime) -> float | None:
-    return None if w.idle_since is None else (now - w.idle_since).total_seconds()
+    if w.idle_since is None:
+        return None
+    since = w.idle_since if w.serving_since is None else max(w.idle_since, w.serving_since)
+    return (now - since).total_seconds()
 
 
 def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: datetime) -> dict[str, Decision]:

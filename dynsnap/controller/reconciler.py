@@ -188,10 +188,12 @@ class Reconciler:
         phase = F.phase_of(pod, ws, F.endpoint_ready(self.stores.slices, pod))
         idle = ws.status.idle if ws else None
         cap = ws.status.last_capture if ws else None
+        ver = ws.status.controller.verification if ws and ws.status.controller else None
         override, _ = parse_override(F.annotations_of(pod).get(P.ANN_DESIRED_STATE))
         return WorkerView(name=meta["name"], phase=phase, idle_since=idle.idle_since if idle else None,
                           last_activity=idle.last_activity if idle else None,
-                          last_capture=cap.started if cap else None, override=override)
+                          last_capture=cap.started if cap else None, override=override,
+                          serving_since=ver.finished if ver is not None and ver.ok else None)
 
     def _plan(self, ns: str, dgd: str, component: str, policy: Policy) -> dict[str, Decision]:
         views = [self.view_of(p) for p in self.component_pods(ns, dgd, component)]

@@ -35,6 +35,7 @@ MAIN = "dynsnap/controller/main.py"
 PLAN_UNIT = "tests/unit/test_controller_plan.py::"
 REQUEUE_UNIT = "tests/unit/test_controller_requeue.py::test_a_demand_change_requeues_only_the_workers_it_can_move"
 WAKE_UNIT = "tests/unit/test_controller_wake_request.py::test_a_stale_reconcile_asks_again_as_the_same_wake"
+VIEW_UNIT = "tests/unit/test_controller_view.py"
 STORE_UNIT = "tests/unit/test_k8s_store.py::test_an_earlier_version_does_not_replace_a_later_one"
 FRONTEND_UNIT = "tests/unit/test_frontend_parse.py::"
 PINNED_UNIT = FRONTEND_UNIT + "test_a_pinned_answer_is_this_workers_only_when_it_names_every_pinned_id"
@@ -162,6 +163,25 @@ MUTATIONS = (
         "                                   (w.last_capture.timestamp() if w.last_capture else 0.0), w.name))\n",
         tests=[PLAN_UNIT + "test_a_deficit_calls_off_a_quiesce_first_then_wakes_the_most_recently_captured"],
         modules=["dynsnap.controller.plan"]),
+    mutation(
+        "plan-idle-across-sleep", "a worker back in serving is idle from before its sleep (the agent's idleSince "
+        "alone): woken for load, it is quiesced again at once", PLAN,
+        "    since = w.idle_since if w.serving_since is None else max(w.idle_since, w.serving_since)\n",
+        "    since = w.idle_since\n",
+        tests=[PLAN_UNIT + "test_a_worker_back_in_serving_is_idle_only_from_its_return"],
+        modules=["dynsnap.controller.plan"]),
+    mutation(
+        "view-no-return", "the planner is not told when the worker last returned to serving", RECONCILER,
+        "                          serving_since=ver.finished if ver is not None and ver.ok else None)\n",
+        "                          serving_since=None)\n",
+        tests=[VIEW_UNIT],
+        modules=["dynsnap.controller.reconciler"]),
+    mutation(
+        "view-failed-return", "a failed verification counts as a return to serving", RECONCILER,
+        "                          serving_since=ver.finished if ver is not None and ver.ok else None)\n",
+        "                          serving_since=ver.finished if ver is not None else None)\n",
+        tests=[VIEW_UNIT],
+        modules=["dynsnap.controller.reconciler"]),
     # -- one wake, one record: read your own write -----------------------------------------------------
     mutation(
         "wake-asked-anew", "a reconcile that still sees Suspended opens a second wake with a new trace",

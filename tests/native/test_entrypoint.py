@@ -188,7 +188,16 @@ class Sandbox:
             # stdin a pipe, as from a container runtime: the worker must get /dev/null instead
             self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.PIPE,
                                          env=self.env, start_new_session=True)
-        self.pid1 = wait_for(lambda: (children(self.proc.pid) or [0])[0], "the entrypoint to start")
+        self.pid1 = wait_for(self._started, "the entrypoint to start", timeout=30.0)
+
+    def _started(self) -> int:
+        """The entrypoint's host pid once unshare has forked it; an unshare that already exited (its
+        child gone with it) is reported with its status and output rather than waited out."""
+        pid = (children(self.proc.pid) or [0])[0]
+        if not pid and self.proc.poll() is not None:
+            raise AssertionError(f"unshare exited {self.proc.returncode} before its child was seen; "
+                                 f"stderr: {self.err()[-2000:]!r}; stdout: {self.out()[-2000:]!r}")
+        return pid
 
     # -- what a pod would see --
     def out(self) -> str:

@@ -78,6 +78,23 @@ def test_only_idle_past_idle_after_sleeps(idle: float | None, want: Want) -> Non
         assert got["x"].again_after == pytest.approx(POLICY.idle_after - idle)  # look again when it crosses
 
 
+@pytest.mark.parametrize(("served_ago", "want"), [(1, Want.AWAKE), (299, Want.AWAKE), (300, Want.ASLEEP),
+                                                  (IDLE + 100, Want.ASLEEP)])
+def test_a_worker_back_in_serving_is_idle_only_from_its_return(served_ago: float, want: Want) -> None:
+    # The agent's idle facts come back from a sleep as they were before it (idle 400 s here): a worker
+    # woken (or recalled) and verified 1 s ago has been idle 1 s, not 400 s, and is not quiesced again
+    # before the load that woke it reaches it (the demo met this: woken, verified, quiesced at once).
+    x = replace(w("x", S, idle=IDLE), serving_since=NOW - timedelta(seconds=served_ago))
+    got = plan([w("keep", S, idle=None, active_ago=1), x], POLICY, Demand(0), NOW)
+    assert got["x"].want == want, got["x"]
+    if want == Want.AWAKE:
+        assert got["x"].why == f"idle {served_ago:.0f}s of {POLICY.idle_after:g}s"
+        assert got["x"].again_after == pytest.approx(POLICY.idle_after - served_ago)
+    # busy is busy, whenever it came back
+    assert plan([w("keep", S, idle=None), replace(x, idle_since=None)], POLICY, Demand(0), NOW)["x"].want \
+        == Want.AWAKE
+
+
 def test_manual_suspend_is_refused_with_min_active_when_it_would_break_it() -> None:
     got = plan([w("a", S, idle=None, override=DesiredState.SUSPENDED)], POLICY, Demand(0), NOW)
     assert got["a"].want == Want.AWAKE and got["a"].refused
