@@ -112,8 +112,8 @@ MUTATIONS = (
     mutation(
         "pages-read-last-line-only", "the restore's pagesRead takes the last restorer's thread count, not the "
         "most any used", CRIU,
-        "                    threads = max(threads, int(m.group(2)))\n",
-        "                    threads = int(m.group(2))\n",
+        "threads=max(t for _, t in found), processes=len(found))\n",
+        "threads=found[-1][1], processes=len(found))\n",
         tests=["tests/unit/test_agent_criu.py"]),
     mutation(
         "pages-read-not-reported", "the restore step does not say how CRIU read the pages", EXECUTOR,

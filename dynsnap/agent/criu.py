@@ -134,18 +134,16 @@ class PagesRead:
 def pages_read(log_path: Path) -> PagesRead | None:
     """How CRIU's restorers read the pages (hack/patches/criu/0002), from a restore log. None when no
     process read its pages with the patch's threads: a stock CRIU, one thread, or too few pages."""
-    total = threads = n = 0
     try:
         with open(log_path, "rb") as f:
-            for line in f.readlines(_LOG_SCAN_LIMIT):
-                m = _PAGES_READ.search(line)
-                if m:
-                    total += int(m.group(1))
-                    threads = max(threads, int(m.group(2)))
-                    n += 1
+            data = f.read(_LOG_SCAN_LIMIT)
     except OSError:
         return None
-    return PagesRead(bytes=total, threads=threads, processes=n) if n else None
+    # one search over the bytes, not a loop over lines: this runs on the wake's path, before the GPU resume
+    found = [(int(m.group(1)), int(m.group(2))) for m in _PAGES_READ.finditer(data)]
+    if not found:
+        return None
+    return PagesRead(bytes=sum(b for b, _ in found), threads=max(t for _, t in found), processes=len(found))
 
 
 @dataclass(frozen=True)
