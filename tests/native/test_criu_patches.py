@@ -204,9 +204,4 @@ def test_an_image_that_ends_early_fails_the_restore_with_the_read_error(tmp_path
     assert run.restore.returncode != 0
     assert "Can't read pages data (-5)" in run.log, run.log[-3000:]
     # CRIU killed and reaped what it had begun to restore: no process holds the pid.
-    status = Path(f"/proc/{run.before['pid']}/status")
-    for _ in range(100):
-        if not status.exists():
-            break
-        time.sleep(0.1)
-    assert not status.exists()
+    _wait_gone(run.before["pid"], timeout=10)
