@@ -216,6 +216,15 @@ class Reason(StrEnum):
     COLD_RESTART = "ColdRestart"
 
 
+# Refusals that will not go away while the pod, its spec and the policy stay as they are: the
+# entrypoint's io_uring filter is off, its pid range is not reserved (or the worker already holds
+# pids below it), the worker's NCCL settings make a checkpoint impossible to undo, the node's image
+# budget is spent. Retrying them only keeps a worker out of serving; the controller puts it back
+# into serving at once and asks again only after the spec, the pod or the policy changed.
+PERMANENT_REFUSALS: Final = frozenset({Reason.SECCOMP_OFF, Reason.PID_RESERVATION_MISSING, Reason.UNSAFE_MULTI_GPU,
+                                       Reason.DISK_BUDGET_EXCEEDED})
+
+
 # Capture images on a node: <images root>/<namespace>_<pod>_<pod uid>/<capture id>/ (final) and
 # .../.staging-<capture id>/ while being written; MANIFEST_FILE is written last, then the rename.
 IMAGE_FORMAT: Final = 1
