@@ -74,7 +74,7 @@ from dynsnap.models.ids import HostPid, NsPid
 from dynsnap.runtime.command import CommandError, find_tool, run_command
 
 __all__ = ["CriuError", "CriuResult", "NamespaceTarget", "PagesRead", "classify", "criu_dump", "criu_restore",
-           "elf_interpreter", "library_dirs", "pages_read"]
+           "elf_interpreter", "error_lines", "library_dirs", "pages_read"]
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -83,15 +83,25 @@ DUMP_DONE = "Dumping finished successfully"
 
 
 class CriuError(RuntimeError):
-    """CRIU failed or timed out; ``log_tail`` holds the end of its log, ``cause`` a short name
-    of the known cause found in it (``io_uring``, ``no_space``, ``pid_taken``, ``timeout``...)."""
+    """CRIU failed or timed out. ``errors`` holds the ``Error (file:line): ...`` lines of its log (the
+    last :data:`ERROR_LINES_KEPT`), ``log_tail`` the end of the log, ``cause`` a short name of the
+    known cause found in the error lines (``io_uring``, ``no_space``, ``pid_taken``,
+    ``image_unreadable``, ``timeout``...; the tail is searched only when they name none),
+    and :attr:`summary` what a person reads first: the error lines, or the tail without them."""
 
     def __init__(self, message: str, *, log_path: Path, timed_out: bool = False) -> None:
         self.log_path = log_path
         self.log_tail = tail(log_path)
+        self.errors = error_lines(log_path)
         self.timed_out = timed_out
-        self.cause = "timeout" if timed_out else classify(self.log_tail)
-        super().__init__(f"{message} [{self.cause}]\n--- {log_path} (tail) ---\n{self.log_tail}")
+        self.cause = "timeout" if timed_out else classify("\n".join(self.errors), self.log_tail)
+        super().__init__(f"{message} [{self.cause}]\n--- {log_path} ---\n{self.summary}")
+
+    @property
+    def summary(self) -> str:
+        """CRIU's own error lines (the cause, not the last lines it logged before giving up, which at -v4
+        are often its vdso or cgroup chatter); the log's tail where it logged no error line."""
+        return "\n".join(self.errors) if self.errors else self.log_tail
 
 
 @dataclass(frozen=True)
@@ -169,25 +179,52 @@ _CAUSES = (
     ("io_uring", re.compile(r"io_uring|Can't retrieve FDs|send_fds failed", re.I)),
     ("no_space", re.compile(r"No space left on device|ENOSPC|errno 28\b|\(28\)", re.I)),
     ("pid_taken", re.compile(r"(clone|fork).*(File exists|EEXIST)|Pid \d+ already|set_next_pid|ns_last_pid", re.I)),
+    # An image CRIU cannot read back: a protobuf it cannot unpack, a file cut short or missing (a
+    # corrupted or partly deleted capture: no retry makes it restorable).
+    ("image_unreadable", re.compile(r"Failed unpacking object|Unexpected EOF|Can't open .*\.img|"
+                                    r"(read|open)[^\n]*\.img[^\n]*(No such file|Input/output)|"
+                                    r"Unable to open [^\n]*\.img|magic mismatch|Bad magic", re.I)),
     ("tcp", re.compile(r"tcp|socket", re.I)),
 )
+# CRIU's error lines: "(00.027392) Error (criu/protobuf.c:101): ...", in a restored task's part of the
+# log with its pid ("(00.5)   1234: Error (...)"), and from the restorer blob ("pie: 1234: Error (...)").
+_ERROR_LINE = re.compile(rb"^\(\s*[\d.]+\)\s+(?:pie:\s*)?(?:\d+:\s+)?(Error \([^)]*\):[^\n]*)$", re.M)
+ERROR_LINES_KEPT = 12  # the last ones: the first of a failure is usually among them, its consequences after
+_ERROR_LINE_MAX = 400  # characters of one line kept
 
 
-def classify(log_text: str) -> str:
-    """A short name for the first known cause in a CRIU log (``unknown`` when none matches)."""
-    errors = "\n".join(line for line in log_text.splitlines() if "Error" in line or "err" in line.lower())
-    for name, pattern in _CAUSES:
-        if pattern.search(errors or log_text):
-            return name
+def classify(errors: str, log_tail: str = "") -> str:
+    """A short name for the first known cause in CRIU's error lines (``errors``); where they name none,
+    in the lines of ``log_tail`` that speak of an error (or, with none such, all of it); ``unknown``
+    when nothing matches."""
+    for text in (errors, "\n".join(x for x in log_tail.splitlines() if "err" in x.lower()) or log_tail):
+        for name, pattern in _CAUSES:
+            if text and pattern.search(text):
+                return name
     return "unknown"
 
 
-def tail(path: Path, limit: int = 3000) -> str:
+def error_lines(path: Path) -> list[str]:
+    """The ``Error (file:line): ...`` lines of a CRIU log, the last :data:`ERROR_LINES_KEPT` of them, each
+    at most ``_ERROR_LINE_MAX`` characters (at most ``_LOG_SCAN_LIMIT`` bytes of the log are read)."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(_LOG_SCAN_LIMIT)
+    except OSError:
+        return []
+    found = [m.group(1).decode(errors="replace")[:_ERROR_LINE_MAX] for m in _ERROR_LINE.finditer(data)]
+    return found[-ERROR_LINES_KEPT:]
+
+
+def tail(path: Path, limit: int = 3000) -> str:
+    """The last ``limit`` bytes of a log (only those are read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - limit, 0))
+            data = f.read(limit)
     except OSError:
         return "(no log)"
-    return data[-limit:].decode(errors="replace")
+    return data.decode(errors="replace")
 
 
 def _private_dir(path: Path) -> None:
