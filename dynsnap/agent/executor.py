@@ -36,7 +36,7 @@ from dynsnap.agent.criu import (
 )
 from dynsnap.agent.cuda import CudaError, CudaHelper
 from dynsnap.agent.entrypoint_control import EntrypointError
-from dynsnap.agent.images import Capture, ImageFormatMismatch, ImageStore, dir_bytes, new_capture_id
+from dynsnap.agent.images import BudgetExceeded, Capture, ImageFormatMismatch, ImageStore, dir_bytes, new_capture_id
 from dynsnap.agent.plan import Facts, Staging, Step, observed, plan
 from dynsnap.agent.settings import AgentSettings
 from dynsnap.models.ids import HostPid, NsPid, PodUID
@@ -294,12 +294,13 @@ class Executor:
         if rings:
             raise StepFailure(Reason.IO_URING_IN_USE, f"processes holding io_uring (CRIU cannot dump it): {rings}")
         estimate = sum(procfs.rss_bytes(p.pid, self.proc) for p in w.procs)
-        ok, why = self.images.room_for(estimate)
-        if not ok:
-            raise StepFailure(Reason.DISK_BUDGET_EXCEEDED, why)
         for old in self.images.stagings(subject.uid):  # a dump that did not finish, from before
             self.images.remove(old)
-        staging = self.images.staging(subject.namespace, subject.pod, subject.uid, capture_id or new_capture_id())
+        try:  # the check and the staging that holds the estimate out of the budget, in one step
+            staging = self.images.reserve(subject.namespace, subject.pod, subject.uid,
+                                          capture_id or new_capture_id(), estimate)
+        except BudgetExceeded as e:
+            raise StepFailure(Reason.DISK_BUDGET_EXCEEDED, str(e)) from e
         # Resolve in-namespace pids now: the tree is gone after the dump, and CRIU names images by them.
         pids = self._pids(w)
         root_host = next((p.pid for p in w.procs if p.ns_pid == root), None)
@@ -321,7 +322,7 @@ class Executor:
                       "timeout": Reason.HELPER_TIMEOUT}.get(e.cause, Reason.DUMP_FAILED)
             if not dump_completed(staging):
                 self.images.remove(staging)  # never reused: CRIU left the tree running
-            raise StepFailure(reason, f"CRIU dump failed ({e.cause}): {e.log_tail[-1500:]}") from e
+            raise StepFailure(reason, f"CRIU dump failed ({e.cause}): {e.summary[-3000:]}") from e
         info["criuSeconds"] = res.seconds
         info["imageBytes"] = dir_bytes(staging)
 
@@ -381,7 +382,7 @@ class Executor:
         except CriuError as e:
             reason = {"pid_taken": Reason.PIDS_IN_USE, "timeout": Reason.HELPER_TIMEOUT}.get(
                 e.cause, Reason.CRIU_RESTORE_FAILED)
-            raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.log_tail[-1500:]}") from e
+            raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.summary[-3000:]}") from e
         info["criuSeconds"] = res.seconds
         info["source"] = str(source)
         # How CRIU read the pages back: threads (hack/patches/criu/0002) or stock's loop (None)

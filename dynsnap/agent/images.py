@@ -7,15 +7,21 @@ Layer: ``dynsnap.agent``. Layout under the images root (a node path, see AgentSe
     <root>/<namespace>_<pod>_<pod uid>/<capture id>/            complete (manifest.json present)
     <root>/<namespace>_<pod>_<pod uid>/.staging-<capture id>/   being written, or left by a crash
     <root>/<namespace>_<pod>_<pod uid>/.staging-<capture id>/REJECTED   a dump the guard refused
+    <root>/<namespace>_<pod>_<pod uid>/.staging-<capture id>/RESERVED   the bytes its dump was estimated at
 
 The disk the images of a node may use is bounded (``budget_bytes``); a capture whose estimate
-would pass it is refused before it starts. Images of pods that no longer exist, and of captures
-that were woken from, are deleted.
+would pass it is refused before it starts. The check and the staging directory that takes the
+estimate out of the budget are one step (:meth:`ImageStore.reserve`, under a lock on the root), and
+a staging directory counts for at least its reservation until it is sealed or removed: captures
+running at once each see the others' reservations, where a check alone would let each pass against
+the others' still-empty directories and together overshoot the budget. Images of pods that no longer
+exist, and of captures that were woken from, are deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -30,11 +36,17 @@ from dynsnap.models import protocol as P
 from dynsnap.models.ids import PodUID
 
 REJECTED_FILE = "REJECTED"
+RESERVED_FILE = "RESERVED"
+_LOCK_FILE = ".budget.lock"  # flock'd by a reservation: also an agent exec beside the node agent waits
 _UID_IN_NAME = re.compile(r"_([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
 
 
 class ImageFormatMismatch(RuntimeError):
     """A complete capture exists, but in a format this agent does not read."""
+
+
+class BudgetExceeded(RuntimeError):
+    """A capture's estimate does not fit the node's image budget or the disk's free space."""
 
 
 def new_capture_id() -> str:
@@ -77,6 +89,21 @@ class ImageStore:
                 raise ValueError(f"refusing image path component {part!r}")
         return self.root / f"{namespace}_{pod}_{uid}"
 
+    def reserve(self, namespace: str, pod: str, uid: PodUID, capture_id: str, estimate: int) -> Path:
+        """The staging directory of a capture estimated at ``estimate`` bytes, made only if the estimate
+        fits (:meth:`room_for`, counting every other staging directory's reservation), and holding that
+        much of the budget (its RESERVED file) until it is sealed or removed. BudgetExceeded otherwise,
+        with nothing made."""
+        self._private(self.root)
+        with open(self.root / _LOCK_FILE, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released with the file: check and reservation are one step
+            ok, why = self.room_for(estimate)
+            if not ok:
+                raise BudgetExceeded(why)
+            s = self.staging(namespace, pod, uid, capture_id)
+            (s / RESERVED_FILE).write_text(f"{max(estimate, 0)}\n")
+            return s
+
     def staging(self, namespace: str, pod: str, uid: PodUID, capture_id: str) -> Path:
         d = self.pod_dir(namespace, pod, uid)
         self._private(self.root)
@@ -97,6 +124,7 @@ class ImageStore:
     def seal(self, staging: Path, manifest: dict[str, Any]) -> Capture:
         """Write the manifest (last, fsynced), then rename the staging dir to its final name."""
         manifest = {"format": P.IMAGE_FORMAT, **manifest}
+        (staging / RESERVED_FILE).unlink(missing_ok=True)  # sealed: it counts by its bytes from now on
         tmp = staging / (P.MANIFEST_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -155,7 +183,18 @@ class ImageStore:
         return gone
 
     def used_bytes(self) -> int:
-        return dir_bytes(self.root) if self.root.is_dir() else 0
+        """Bytes the images of this node hold, a staging directory counted for at least its reservation."""
+        if not self.root.is_dir():
+            return 0
+        total = dir_bytes(self.root)
+        for d in self.root.iterdir():
+            if not d.is_dir():
+                continue
+            for s in d.iterdir():
+                reserved = _reserved(s) if s.name.startswith(P.STAGING_PREFIX) else None
+                if reserved is not None:
+                    total += max(reserved - dir_bytes(s), 0)
+        return total
 
     def room_for(self, estimate: int) -> tuple[bool, str]:
         """Whether a capture of ``estimate`` bytes fits the node's budget and the disk's free space."""
@@ -186,3 +225,12 @@ class ImageStore:
         for uid in self.pod_uids() - live:
             removed += self.remove_pod(uid)
         return removed
+
+
+def _reserved(staging: Path) -> int | None:
+    """The bytes a staging directory reserved, None without a (readable) reservation."""
+    try:
+        text = (staging / RESERVED_FILE).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

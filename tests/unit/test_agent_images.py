@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dynsnap.agent.images import ImageFormatMismatch, ImageStore
+from dynsnap.agent.images import BudgetExceeded, ImageFormatMismatch, ImageStore
 from dynsnap.models import protocol as P
 from dynsnap.models.ids import PodUID
 
@@ -70,3 +70,33 @@ def test_gc_deletes_only_images_of_pods_gone(tmp_path: Path) -> None:
     removed = store.gc({UID})
     assert [p.name for p in removed] == [f"ns_gone_{GONE}"]
     assert store.latest(UID) is not None and store.latest(GONE) is None
+
+
+def test_captures_at_once_each_count_the_others_reservation(tmp_path: Path) -> None:
+    """Two captures checked against the budget before either has written a byte (issue 18: each check
+    passed against the other's still-empty staging directory, and together they overshot the budget).
+    The second is refused, with nothing made for it; the first holds its estimate until it is sealed or
+    removed, and a sealed capture counts by its bytes."""
+    store = ImageStore(tmp_path / "images", budget_bytes=100 * 1024)
+    first = store.reserve("ns", "w-0", UID, "c1", 60 * 1024)
+    assert store.used_bytes() >= 60 * 1024
+    with pytest.raises(BudgetExceeded, match=r"capture estimated at 0 MiB; images on this node use 0 MiB"):
+        store.reserve("ns", "w-1", GONE, "c2", 60 * 1024)
+    assert store.stagings(GONE) == [] and not store.pod_dir("ns", "w-1", GONE).exists()
+    # Its bytes written (fewer than it reserved), then sealed: it counts by what it holds.
+    (first / "pages-1.img").write_bytes(b"x" * 20 * 1024)
+    assert store.used_bytes() >= 60 * 1024
+    store.seal(first, {"captureId": "c1"})
+    assert 20 * 1024 <= store.used_bytes() < 60 * 1024
+    second = store.reserve("ns", "w-1", GONE, "c2", 60 * 1024)
+    # A failed dump's staging is removed: its reservation goes with it.
+    store.remove(second)
+    assert store.used_bytes() < 60 * 1024
+    store.reserve("ns", "w-1", GONE, "c3", 60 * 1024)
+
+
+def test_a_staging_directory_counts_for_its_bytes_when_they_pass_its_reservation(tmp_path: Path) -> None:
+    store = ImageStore(tmp_path / "images", budget_bytes=1 << 30)
+    st = store.reserve("ns", "w-0", UID, "c1", 4 * 1024)
+    (st / "pages-1.img").write_bytes(b"x" * 64 * 1024)
+    assert 64 * 1024 <= store.used_bytes() < 64 * 1024 + 64 * 1024
