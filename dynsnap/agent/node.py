@@ -39,7 +39,7 @@ from dynsnap.agent.images import new_capture_id
 from dynsnap.agent.plan import CAPTURE_STEPS, WAKE_STEPS, Step
 from dynsnap.agent.settings import AgentSettings
 from dynsnap.k8s.client import Kube, Obj
-from dynsnap.k8s.errors import ApiError, NotFound
+from dynsnap.k8s.errors import ApiError, K8sError, NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.ids import PodUID
@@ -77,6 +77,27 @@ def pod_serving_gate(pod: Obj) -> str | None:
         if c.get("type") == P.CONDITION_SERVING:
             return str(c.get("status"))
     return None
+
+
+async def confirmed_serving_gate(kube: Kube, cached: Obj) -> tuple[str | None, Obj]:
+    """The pod's dynsnap.io/serving status and the pod it was read from: the cached copy when it says
+    False (the quiesce this capture needs happened), else the API server's copy of the same pod (same
+    UID). The pod informer's store can lag the controller's gate write by a watch event; refusing on
+    it would turn that harmless race into a counted failure, a backoff and a Warning. A failed read
+    leaves the cached answer (refused, as before: never capture on a guess)."""
+    serving = pod_serving_gate(cached)
+    if serving == "False":
+        return serving, cached
+    meta = cached["metadata"]
+    try:
+        live: Obj = await kube.get(R.PODS, meta["name"], namespace=meta.get("namespace"))
+    except K8sError as e:
+        log.info("pod %s/%s: serving gate not confirmed from the API server: %s", meta.get("namespace"),
+                 meta["name"], e)
+        return serving, cached
+    if live["metadata"].get("uid") != meta.get("uid"):
+        return serving, cached  # another pod of that name: the admission refuses it next
+    return pod_serving_gate(live), live
 
 
 def opted_in(pod: Obj) -> bool:
@@ -258,11 +279,15 @@ class NodeAgent:
 
     def _effective(self, ws: WorkerSnapshot) -> tuple[DesiredState, float | None]:
         """The wanted state now, and the seconds of failure backoff left. After a failed capture the
-        worker is rolled back to Active and stays so until the backoff has passed."""
+        worker is rolled back to Active and stays so until the backoff has passed; after a refusal that
+        no retry can cure (``PERMANENT_REFUSALS``) it stays Active until the spec changes (a new
+        generation: the controller asks anew once the pod or the policy changed)."""
         n = ws.status.consecutive_failures or 0
         err = ws.status.last_error
         if ws.spec.desired_state != DesiredState.SUSPENDED or n == 0 or err is None or self._new_intent(ws):
             return ws.spec.desired_state, None
+        if err.reason in P.PERMANENT_REFUSALS:
+            return DesiredState.ACTIVE, None
         left = (err.at + timedelta(seconds=self._backoff(n)) - utcnow()).total_seconds()
         if left > 0:
             return DesiredState.ACTIVE, left
@@ -270,8 +295,8 @@ class NodeAgent:
 
     async def _gate(self, pod: Obj) -> Any:
         async def gate(w: W.WorkerProcs) -> str | None:
-            current = self._pod(pod["metadata"]["namespace"], pod["metadata"]["name"]) or pod
-            serving = pod_serving_gate(current)
+            cached = self._pod(pod["metadata"]["namespace"], pod["metadata"]["name"]) or pod
+            serving, current = await confirmed_serving_gate(self.kube, cached)
             if serving != "False":
                 return (f"the pod's {P.CONDITION_SERVING} condition is {serving or 'unset'}, not False: the "
                         "controller quiesces a worker before it is captured")
@@ -449,7 +474,11 @@ class NodeAgent:
                                           generation=ws.metadata.generation)
         await self._event(ws, "Warning", f.reason, f"{step.value}: {f.message}")
         await self._write(ws, status)
-        return 0.0 if f.changed else self._backoff(status.consecutive_failures)
+        if f.changed:
+            return 0.0  # roll back at once
+        if f.reason in P.PERMANENT_REFUSALS:
+            return None  # not asked again until the spec changes (its write wakes the reconcile)
+        return self._backoff(status.consecutive_failures)
 
     @staticmethod
     def _new_intent(ws: WorkerSnapshot) -> bool:

@@ -14,6 +14,7 @@ the exit of a dump when a test asks it to).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -231,6 +232,37 @@ async def test_seccomp_off_worker_holding_io_uring_is_refused_before_any_change(
         err = ws["status"]["lastError"]
         assert "io_uring filter is 'off'" in err["message"] and "CRIU cannot dump io_uring" in err["message"]
         _degraded(ws, "SeccompOff")
+        _nothing_changed(env, pod, ws, before)
+        await _back_to_serving(env, pod)
+    finally:
+        await _finish(env, pod)
+
+
+async def test_a_permanent_refusal_is_not_retried_until_the_spec_changes(env: Env) -> None:
+    """SeccompOff will not go away while the container runs (issue 18: the agent retried it seven times
+    in 160 s, with doubling backoff). Refused once, the worker stays active and the capture is not asked
+    again for that spec, over a time in which this module's 1 s backoff would have retried it several
+    times; a new spec generation (the controller asking anew) is tried once more, and refused again."""
+    pod = env.pod("noseccomp")
+    before = _lock_calls(env, pod)
+    try:
+        await _start(env, pod, "snapshot")
+        ws = await _wait(env, pod, "SeccompOff", error_is("SeccompOff", step="quiesce"))
+        first = ws["status"]["lastCapture"]["id"]
+        assert ws["status"]["consecutiveFailures"] == 1
+        for _ in range(8):  # 8 s: with the 1 s backoff, 1+2+4 s of waits would have brought three retries
+            await asyncio.sleep(1.0)
+            now = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+            st = now["status"]
+            assert st["consecutiveFailures"] == 1 and st["lastCapture"]["id"] == first, st
+            assert st["state"] == "Active", st
+        assert_running(pod, env.driver)
+        # A new intent (the spec written again: a new generation) is tried once, and refused again.
+        await set_desired(env.api, pod, "Active")
+        await set_desired(env.api, pod, "Suspended")
+        ws = await _wait(env, pod, "refused again", lambda o: (o.get("status") or {}).get("consecutiveFailures") == 2)
+        assert ws["status"]["lastCapture"]["id"] != first
+        assert ws["status"]["lastError"]["reason"] == "SeccompOff"
         _nothing_changed(env, pod, ws, before)
         await _back_to_serving(env, pod)
     finally:
