@@ -1,6 +1,7 @@
 """Capture images on the node's disk: one directory per capture, written under a staging name
 and renamed when complete, mode 0700 (images hold the worker's environment, so its secrets),
-with a manifest carrying a format version; a capture of another format is never reused.
+with a manifest carrying a format version; a capture of a format this agent does not read
+(``IMAGE_FORMATS_READ``: its own and the older ones it understands) is never reused.
 
 Layer: ``dynsnap.agent``. Layout under the images root (a node path, see AgentSettings)::
 
@@ -162,9 +163,9 @@ class ImageStore:
                     manifest = json.loads((c / P.MANIFEST_FILE).read_text())
                 except (OSError, ValueError):
                     continue
-                if manifest.get("format") != P.IMAGE_FORMAT:
+                if manifest.get("format") not in P.IMAGE_FORMATS_READ:
                     raise ImageFormatMismatch(f"{c}: image format {manifest.get('format')!r}, this agent reads "
-                                              f"format {P.IMAGE_FORMAT}; it will not be reused")
+                                              f"formats {sorted(P.IMAGE_FORMATS_READ)}; it will not be reused")
                 out.append(Capture(c, manifest))
         return sorted(out, key=lambda c: c.id, reverse=True)
 
