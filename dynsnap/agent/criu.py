@@ -83,10 +83,10 @@ DUMP_DONE = "Dumping finished successfully"
 
 
 class CriuError(RuntimeError):
-    """CRIU failed or timed out. ``errors`` holds the ``Error (file:line): ...`` lines of its log (the
-    last :data:`ERROR_LINES_KEPT`), ``log_tail`` the end of the log, ``cause`` a short name of the
+    """CRIU failed or timed out. ``errors`` holds the ``Error (file:line): ...`` and ``Warn (...)`` lines of
+    its log (the last :data:`ERROR_LINES_KEPT`), ``log_tail`` the end of the log, ``cause`` a short name of the
     known cause found in the error lines (``io_uring``, ``no_space``, ``pid_taken``,
-    ``image_unreadable``, ``timeout``...; the tail is searched only when they name none),
+    ``image_unreadable``, ``traced``, ``timeout``...; the tail is searched only when they name none),
     and :attr:`summary` what a person reads first: the error lines, or the tail without them."""
 
     def __init__(self, message: str, *, log_path: Path, timed_out: bool = False) -> None:
@@ -99,7 +99,7 @@ class CriuError(RuntimeError):
 
     @property
     def summary(self) -> str:
-        """CRIU's own error lines (the cause, not the last lines it logged before giving up, which at -v4
+        """CRIU's own error and warning lines (the cause, not the last lines it logged before giving up, which at -v4
         are often its vdso or cgroup chatter); the log's tail where it logged no error line."""
         return "\n".join(self.errors) if self.errors else self.log_tail
 
@@ -184,11 +184,16 @@ _CAUSES = (
     ("image_unreadable", re.compile(r"Failed unpacking object|Unexpected EOF|Can't open .*\.img|"
                                     r"(read|open)[^\n]*\.img[^\n]*(No such file|Input/output)|"
                                     r"Unable to open [^\n]*\.img|magic mismatch|Bad magic", re.I)),
+    # Another tracer holds a task (a debugger, strace): CRIU cannot seize it.
+    ("traced", re.compile(r"Unable to interrupt task|Unable to seize", re.I)),
     ("tcp", re.compile(r"tcp|socket", re.I)),
 )
 # CRIU's error lines: "(00.027392) Error (criu/protobuf.c:101): ...", in a restored task's part of the
-# log with its pid ("(00.5)   1234: Error (...)"), and from the restorer blob ("pie: 1234: Error (...)").
-_ERROR_LINE = re.compile(rb"^\(\s*[\d.]+\)\s+(?:pie:\s*)?(?:\d+:\s+)?(Error \([^)]*\):[^\n]*)$", re.M)
+# log with its pid ("(00.5)   1234: Error (...)"), and from the restorer blob ("pie: 1234: Error (...)");
+# and its warnings, which often carry the cause the errors then report the consequences of ("Warn
+# (compel/src/lib/infect.c:132): Unable to interrupt task: 10000 (Operation not permitted)", then "Error
+# (...): Unable to detach ...", "Error (...): Dumping FAILED.").
+_ERROR_LINE = re.compile(rb"^\(\s*[\d.]+\)\s+(?:pie:\s*)?(?:\d+:\s+)?((?:Error|Warn) +\([^)]*\):[^\n]*)$", re.M)
 ERROR_LINES_KEPT = 12  # the last ones: the first of a failure is usually among them, its consequences after
 _ERROR_LINE_MAX = 400  # characters of one line kept
 
@@ -205,7 +210,7 @@ def classify(errors: str, log_tail: str = "") -> str:
 
 
 def error_lines(path: Path) -> list[str]:
-    """The ``Error (file:line): ...`` lines of a CRIU log, the last :data:`ERROR_LINES_KEPT` of them, each
+    """The ``Error (file:line): ...`` and ``Warn (file:line): ...`` lines of a CRIU log, the last :data:`ERROR_LINES_KEPT` of them, each
     at most ``_ERROR_LINE_MAX`` characters (at most ``_LOG_SCAN_LIMIT`` bytes of the log are read)."""
     try:
         with open(path, "rb") as f:

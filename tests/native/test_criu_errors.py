@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -62,10 +63,10 @@ async def test_a_corrupted_image_fails_the_restore_with_criu_s_error_lines_and_i
     log = (images / "restore.log").read_text(errors="replace")
     assert e.cause == "image_unreadable", (e.cause, e.errors, log[-2000:])
     assert e.errors, log[-2000:]
-    assert all(line.startswith("Error (") for line in e.errors)
+    assert all(line.startswith(("Error (", "Warn ")) for line in e.errors)
     assert any("Failed unpacking object" in line and core.name in line for line in e.errors), e.errors
-    # Every error line CRIU wrote is in the summary, and nothing else it logged.
-    logged = [line.split(") ", 1)[1] for line in log.splitlines() if ") Error (" in line]
+    # Every error and warning line CRIU wrote is in the summary, and nothing else it logged.
+    logged = [line.split(") ", 1)[1] for line in log.splitlines() if re.search(r"\) (Error|Warn) +\(", line)]
     assert e.summary.splitlines() == logged[-ERROR_LINES_KEPT:]
     assert "Restoring FAILED" in e.summary
     assert "No pidns-1.img image" not in e.summary and "No pidns-1.img image" in log
@@ -90,6 +91,22 @@ def test_the_summary_is_the_error_lines_not_the_vdso_chatter_after_them(tmp_path
     assert e.cause == "unknown"
 
 
+def test_the_warning_that_names_the_cause_is_kept_with_the_errors(tmp_path: Path) -> None:
+    """CRIU's log of a dump of a traced task (as written here): the cause is a warning, the errors after
+    it its consequences; the benign rlimit error before it stays too."""
+    log = tmp_path / "dump.log"
+    log.write_text(_log("Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not "
+                        "permitted", "Seizing task 10000", "Warn  (compel/src/lib/infect.c:132): Unable to interrupt "
+                        "task: 10000 (Operation not permitted)", "Unlock network",
+                        "Error (compel/src/lib/infect.c:417): Unable to detach from 10000: No such process",
+                        "Error (criu/cr-dump.c:1975): Dumping FAILED."))
+    e = CriuError("criu dump exited 1", log_path=log)
+    assert [line.split(":")[0] for line in e.errors] == ["Error (criu/util.c", "Warn  (compel/src/lib/infect.c",
+                                                         "Error (compel/src/lib/infect.c", "Error (criu/cr-dump.c"]
+    assert "Unable to interrupt task: 10000 (Operation not permitted)" in e.summary
+    assert e.cause == "traced"
+
+
 def test_only_the_last_error_lines_are_kept_each_bounded(tmp_path: Path) -> None:
     log = tmp_path / "dump.log"
     log.write_text(_log(*(f"Error (criu/x.c:{i}): {'y' * 1000}" for i in range(40))))
@@ -104,6 +121,8 @@ def test_only_the_last_error_lines_are_kept_each_bounded(tmp_path: Path) -> None
     ("Error (criu/protobuf.c:101): Failed unpacking object 0x1 from /i/core-1.img", "", "image_unreadable"),
     ("Error (criu/image.c:1): Unable to open /i/pages-1.img", "", "image_unreadable"),
     ("Error (criu/util.c:1): No space left on device", "", "no_space"),
+    ("Warn  (compel/src/lib/infect.c:132): Unable to interrupt task: 10000 (Operation not permitted)\n"
+     "Error (compel/src/lib/infect.c:417): Unable to detach from 10000: No such process", "", "traced"),
     # An error line that names no known cause does not hide one the tail's error talk names.
     ("Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE", "send_fds failed: err 9", "io_uring"),
     # Without error lines: only the tail's lines about an error count (the vdso text has "ring" in it).
