@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.mutation.runner import Edit, Suite, main, mutation
 
 EXECUTOR = "dynsnap/agent/executor.py"
-NODE = "dynsnap/agent/node.py"
+ADMISSION = "dynsnap/agent/admission.py"
 CUDA = "dynsnap/agent/cuda.py"
 IMAGES = "dynsnap/agent/images.py"
 CRIU = "dynsnap/agent/criu.py"
@@ -63,7 +63,7 @@ MUTATIONS = (
         "            why = None\n",
         tests=[EXEC_SERVING, SERVING]),
     mutation(
-        "no-uid-check", "a WorkerSnapshot naming another pod's UID is acted on", NODE,
+        "no-uid-check", "a WorkerSnapshot naming another pod's UID is acted on", ADMISSION,
         "    if uid != ws.spec.pod_uid:\n",
         "    if False:\n",
         tests=[ADMIT_UNIT, WRONG_UID]),

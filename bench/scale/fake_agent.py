@@ -3,7 +3,7 @@ fleet, in one process: no worker runs on a kwok node, so there is nothing to cap
 
 What it keeps from the real agent is what the controller sees: it watches every WorkerSnapshot and
 writes the agent's part of the status by server-side apply under the agent's field manager
-(``dynsnap-agent``, ``dynsnap.agent.node.agent_owned``: never the controller's record or
+(``dynsnap-agent``, ``dynsnap.agent.status.agent_owned``: never the controller's record or
 conditions), under the agent's shipped RBAC (``deploy/rbac/agent.yaml``) when given its token:
 
 - a new WorkerSnapshot is accepted (``Accepted=True``), the worker ``Active`` and busy;
@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 
 from pydantic import ValidationError
 
-from dynsnap.agent.node import agent_owned
+from dynsnap.agent.status import agent_owned
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.k8s.informer import Informer

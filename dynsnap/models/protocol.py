@@ -158,6 +158,7 @@ class Reason(StrEnum):
     WRONG_NODE = "WrongNode"
     NOT_OPTED_IN = "NotOptedIn"
     NOT_UNDER_ENTRYPOINT = "NotUnderEntrypoint"
+    WORKER_NOT_RUNNING = "WorkerNotRunning"
     ENTRYPOINT_UNREADABLE = "EntrypointUnreadable"
     # Progressing
     CAPTURING = "Capturing"

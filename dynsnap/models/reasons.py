@@ -51,6 +51,12 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "The pod the WorkerSnapshot names does not exist (deleted, or not yet seen by the agent).",
         "Usually transient: the WorkerSnapshot is owned by the pod and the garbage collector deletes it "
         "with the pod. If it stays, check that the agent of the pod's node runs and can list pods."),
+    Reason.WORKER_NOT_RUNNING: ReasonDoc(
+        ACCEPTED, "normal", "`Accepted=Unknown`, `Suspended=Unknown`, `state: Unknown` (agent)",
+        "The pod is on this node but none of its processes runs: its container is starting, or restarting "
+        "(after `WorkerLost`, say). The agent cannot tell whether the worker sleeps, and says so.",
+        "Usually transient: the agent looks again every 5 s. If it stays, the pod's container does not start "
+        "(`kubectl describe pod`)."),
     Reason.POD_UID_MISMATCH: ReasonDoc(
         ACCEPTED, "refusal", "`Accepted=False`",
         "A pod of that name exists with another UID: it was recreated. A new pod is a new worker, and a "
@@ -229,7 +235,8 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
     Reason.WORKER_LOST: ReasonDoc(
         FAILED, "failure", "`Degraded=True`, `status.state: Lost` (agent)",
         "The worker cannot come back in place (its tree is gone and no capture can restore it): the "
-        "entrypoint exits 75 and kubelet restarts the container cold.",
+        "entrypoint exits 75 and kubelet restarts the container cold. `Suspended=False` for this reason "
+        "while it is lost; `WorkerNotRunning` while its container restarts.",
         "Nothing: the container starts cold and serves again. `status.lastError` history and the events "
         "before it say why."),
     Reason.POD_GONE: ReasonDoc(

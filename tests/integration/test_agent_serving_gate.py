@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from agentenv import AGENT_NS, AGENT_SA, install_dynsnap, token_kubeconfig
 
-from dynsnap.agent.node import confirmed_serving_gate
+from dynsnap.agent.serving import confirmed_serving_gate
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R

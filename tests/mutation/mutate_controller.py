@@ -1,6 +1,6 @@
 """Mutation check of the controller's guards (issue 9; docs/TESTING.md, "Mutation checks"): each guard
 broken on purpose as an exact replacement in dynsnap/controller/ (and the agent's half of the status
-contract in dynsnap/agent/node.py), then the tests that must go red. Not collected by pytest (no
+contract in dynsnap/agent/status.py), then the tests that must go red. Not collected by pytest (no
 test_ prefix). From the repository root, as root, with the environment of `./run env`:
 
     source <(./run env | sed 's/^/export /')
@@ -28,7 +28,7 @@ from tests.mutation.runner import Suite, main, mutation
 PLAN = "dynsnap/controller/plan.py"
 RECONCILER = "dynsnap/controller/reconciler.py"
 FRONTEND = "dynsnap/controller/frontend.py"
-NODE = "dynsnap/agent/node.py"
+AGENT_STATUS = "dynsnap/agent/status.py"
 STORE = "dynsnap/k8s/store.py"
 MAIN = "dynsnap/controller/main.py"
 
@@ -204,7 +204,7 @@ MUTATIONS = (
     # -- the status contract between agent and controller --------------------------------------------
     mutation(
         "agent-applies-controller-conditions", "the agent's status apply keeps the controller's conditions "
-        "(Verified, PolicyValid)", NODE,
+        "(Verified, PolicyValid)", AGENT_STATUS,
         "    wire[\"conditions\"] = [c for c in wire.get(\"conditions\", []) if c[\"type\"] not in "
         "P.CONTROLLER_CONDITIONS]\n",
         "    wire[\"conditions\"] = list(wire.get(\"conditions\", []))\n",

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dynsnap.agent.node import admit, container_id, opted_in, pod_serving_gate
+from dynsnap.agent.admission import admit, container_id, opted_in, pod_serving_gate
 from dynsnap.models.protocol import CONDITION_SERVING, Reason
 from dynsnap.models.workersnapshot import WorkerSnapshot
 
