@@ -27,6 +27,9 @@ ADMISSION = "dynsnap/agent/admission.py"
 CUDA = "dynsnap/agent/cuda.py"
 IMAGES = "dynsnap/agent/images.py"
 CRIU = "dynsnap/agent/criu.py"
+ATTEMPTS = "dynsnap/agent/attempts.py"
+SERVING_GATE = "dynsnap/agent/serving.py"
+STATUS = "dynsnap/agent/status.py"
 
 FAULTS = "tests/integration/test_agent_faults.py::"
 REFUSALS = "tests/integration/test_agent_refusals.py::"
@@ -43,6 +46,12 @@ EXEC_SERVING = "tests/native/test_agent_exec.py::test_exec_refuses_a_capture_not
 WRONG_UID = REFUSALS + "test_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing[uid-of-another-pod]"
 ADMIT_UNIT = "tests/unit/test_agent_admit.py"
 NCCL = REFUSALS + "test_ranks_on_nccl_without_the_settings_the_driver_needs_are_refused_before_any_lock"
+RESERVE_UNIT = "tests/unit/test_agent_images.py::test_captures_at_once_each_count_the_others_reservation"
+GATE_CONFIRMED = "tests/integration/test_agent_serving_gate.py"
+PERMANENT = FAULTS + "test_a_permanent_refusal_is_not_retried_until_the_spec_changes"
+CRIU_ERRORS = "tests/native/test_criu_errors.py"
+UPGRADE = "tests/integration/test_agent_upgrade.py"
+STATUS_UNIT = "tests/unit/test_agent_status.py"
 
 MUTATIONS = (
     mutation(
@@ -109,6 +118,46 @@ MUTATIONS = (
         "        interp = elf_interpreter(files.fds[-1])\n",
         "        raise NotElf(\"mutant\")\n",
         tests=[CRIU_FDS]),
+    # -- issue 18 ---------------------------------------------------------------------------------------
+    mutation(
+        "budget-not-reserved", "a capture's staging directory holds none of the budget until it has bytes",
+        IMAGES,
+        "            (s / RESERVED_FILE).write_text(f\"{max(estimate, 0)}\\n\")\n",
+        "",
+        tests=[RESERVE_UNIT]),
+    mutation(
+        "reservation-not-counted", "the budget check ignores the other captures' reservations", IMAGES,
+        "                    total += max(reserved - dir_bytes(s), 0)\n",
+        "                    total += 0\n",
+        tests=[RESERVE_UNIT]),
+    mutation(
+        "serving-gate-from-cache-only", "a stale cached serving gate refuses the capture without asking the "
+        "API server", SERVING_GATE,
+        "    serving = pod_serving_gate(cached)\n    if serving == \"False\":\n",
+        "    serving = pod_serving_gate(cached)\n    if True:\n",
+        tests=[GATE_CONFIRMED]),
+    mutation(
+        "permanent-refusal-retried", "a refusal no retry can cure is retried after the backoff", ATTEMPTS,
+        "    if err.reason in P.PERMANENT_REFUSALS:\n        return DesiredState.ACTIVE, None\n",
+        "",
+        more=[Edit(ATTEMPTS, "    if reason in P.PERMANENT_REFUSALS:\n        return None\n", "")],
+        tests=[PERMANENT]),
+    mutation(
+        "criu-message-is-the-tail", "a CRIU failure's message is the log's tail, not its error lines", CRIU,
+        "        return \"\\n\".join(self.errors) if self.errors else self.log_tail\n",
+        "        return self.log_tail\n",
+        tests=[CRIU_ERRORS]),
+    mutation(
+        "older-format-not-read", "a capture of an older format than the agent writes is not restored", IMAGES,
+        "                if manifest.get(\"format\") not in P.IMAGE_FORMATS_READ:\n",
+        "                if manifest.get(\"format\") != P.IMAGE_FORMAT:\n",
+        tests=[UPGRADE]),
+    mutation(
+        "unseen-worker-still-suspended", "a worker the agent cannot see keeps the Suspended condition of "
+        "before", STATUS,
+        "    status.conditions = set_condition(status.conditions, CT.SUSPENDED, None, v.reason,\n",
+        "    status.conditions = set_condition(status.conditions, CT.PROGRESSING, None, v.reason,\n",
+        tests=[STATUS_UNIT]),
     mutation(
         "pages-read-last-line-only", "the restore's pagesRead takes the last restorer's thread count, not the "
         "most any used", CRIU,

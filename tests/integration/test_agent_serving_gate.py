@@ -4,11 +4,13 @@ before the capture is refused (issue 18: the lag turned a harmless race into a c
 backoff and a Warning), as the agent's own identity (deploy/rbac/agent.yaml, a TokenRequest token).
 
 The pod is a real object of the real API server on a kwok node; the stale copy is the pod as it was
-read before the gate was set, which is what a lagging store holds.
+read before the gate was set, which is what a lagging store holds (or, for the recreated-pod case, that
+copy under another UID).
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import uuid
 from pathlib import Path
@@ -18,6 +20,7 @@ from agentenv import AGENT_NS, AGENT_SA, install_dynsnap, token_kubeconfig
 
 from dynsnap.agent.serving import confirmed_serving_gate
 from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster
@@ -61,12 +64,13 @@ async def test_a_stale_cached_gate_is_confirmed_from_the_api_server(cluster: Loc
         cached_false = {**fresh, "status": {"conditions": [{"type": P.CONDITION_SERVING, "status": "False"}]}}
         serving, pod = await confirmed_serving_gate(agent, cached_false)
         assert serving == "False" and pod is cached_false
-        # The pod recreated under its name (another UID): the cached answer stands, the other pod is not read.
-        await cluster.api.delete(R.PODS, name, namespace=TEST_NAMESPACE, grace_period_seconds=0)
-        await cluster.api.create(R.PODS, _pod(name))
+        # The cache holds an earlier pod of that name (another UID): the cached answer stands, the other
+        # pod's gate is not taken for it.
         await _set_gate(cluster.api, name, "False")
-        serving, pod = await confirmed_serving_gate(agent, stale)
-        assert serving is None and pod is stale
+        earlier = {**stale, "metadata": {**stale["metadata"], "uid": str(uuid.uuid4())}}
+        serving, pod = await confirmed_serving_gate(agent, earlier)
+        assert serving is None and pod is earlier
     finally:
         await agent.close()
-        await cluster.api.delete(R.PODS, name, namespace=TEST_NAMESPACE, grace_period_seconds=0)
+        with contextlib.suppress(NotFound):
+            await cluster.api.delete(R.PODS, name, namespace=TEST_NAMESPACE, grace_period_seconds=0)
