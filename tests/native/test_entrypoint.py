@@ -68,6 +68,8 @@ RESTORE = textwrap.dedent(r'''
     (["--thp-preload", "lib.so", "true"], {"DYN_SYSTEM_PORT": "9090"}, "--thp-preload must be an absolute path"),
     (["true"], {"DYN_SYSTEM_PORT": "9090", "DYNSNAP_THP_PRELOAD": "lib.so"},
      '$DYNSNAP_THP_PRELOAD must be an absolute path or "off": "lib.so"'),
+    (["--no-seccomp=yes", "true"], {"DYN_SYSTEM_PORT": "9090"}, "--no-seccomp takes no value"),
+    (["--log-file", "/" + "a" * 5000, "true"], {"DYN_SYSTEM_PORT": "9090"}, "--log-file: path too long"),
 ])
 def test_bad_arguments_are_a_usage_error(entrypoint_bin: Path, args: list[str], env: dict[str, str],
                                          message: str) -> None:
@@ -77,6 +79,20 @@ def test_bad_arguments_are_a_usage_error(entrypoint_bin: Path, args: list[str], 
     assert r.returncode == 2
     assert message in r.stderr
     assert "usage: dynsnap-entrypoint" in r.stderr
+
+
+def test_options_after_the_command_are_the_workers(entrypoint_bin: Path, tmp_path: Path) -> None:
+    # the first word that is not one of its options starts the worker's command line, "--" or not
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", str(entrypoint_bin),
+                        "--control-dir", str(tmp_path / "c"), "--probe-port", str(free_port()),
+                        "--system-port", str(free_port()), "/bin/sh", "-c", 'echo "worker argv: $*"', "sh",
+                        "--no-seccomp", "--bogus", "-h", "--", "x"],
+                       capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    assert "worker argv: --no-seccomp --bogus -h -- x" in r.stdout
+    ctl = json.loads((tmp_path / "c" / protocol.ENTRYPOINT_CONTROL_FILE).read_text())
+    assert ctl["seccomp"] == "on"  # the worker's --no-seccomp is not the entrypoint's
+    assert ctl["worker_command"] == "/bin/sh -c echo \"worker argv: $*\" sh --no-seccomp --bogus -h -- x"
 
 
 def test_help(entrypoint_bin: Path) -> None:
