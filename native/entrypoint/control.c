@@ -1,6 +1,7 @@
 /*
- * The control directory: entrypoint.json (written here, temp file + rename)
- * and state-request (written by the agent, temp file + rename, read here).
+ * The control directory: entrypoint.json (written here, temp file + rename, its text made by
+ * json.c) and state-request (written by the agent, temp file + rename, read here). Calls only
+ * common.c and json.c; main.c passes the state in.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -12,93 +13,69 @@
 
 #include "entrypoint.h"
 
-/* Appends s to buf as a JSON string literal. */
-static void json_str(char *buf, size_t sz, const char *s)
-{
-	size_t n = strlen(buf);
-	if (n + 2 >= sz)
-		return;
-	buf[n++] = '"';
-	for (; *s && n + 8 < sz; s++) {
-		unsigned char c = (unsigned char)*s;
-		if (c == '"' || c == '\\') {
-			buf[n++] = '\\';
-			buf[n++] = (char)c;
-		} else if (c < 0x20) {
-			n += (size_t)snprintf(buf + n, sz - n, "\\u%04x", c);
-		} else {
-			buf[n++] = (char)c;
-		}
-	}
-	buf[n++] = '"';
-	buf[n] = '\0';
-}
+/*
+ * Why these bounds: every string the file carries may come from outside the entrypoint (the
+ * command line, the environment, a path, a request file the container can write), so each is cut
+ * at FIELD_MAX input bytes (on a character boundary, json.c) and, at worst, each byte becomes a
+ * six-byte \u00XX escape. The fixed part (keys, numbers, the state words) is far below 1 KiB.
+ * With that the whole document always fits CONTROL_MAX, so it is always written whole.
+ */
+#define CONTROL_STRINGS 4 /* log_file, thp_preload, worker_command, request_error */
+#define CONTROL_WORDS 4   /* state, request_wakeup, request_noticed, seccomp: our own words */
+_Static_assert(CONTROL_STRINGS * (6 * FIELD_MAX + 2) + CONTROL_WORDS * (6 * WORD_MAX + 2) + 1024 <= CONTROL_MAX,
+	       "entrypoint.json might not fit its buffer");
 
-static void json_add(char *buf, size_t sz, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-
-#include <stdarg.h>
-static void json_add(char *buf, size_t sz, const char *fmt, ...)
+/* The document, into b. */
+static void control_json(struct jbuf *b, const struct ep *ep, long long upd)
 {
-	size_t n = strlen(buf);
-	va_list ap;
-	if (n >= sz)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(buf + n, sz - n, fmt, ap);
-	va_end(ap);
+	jb_fmt(b, "{\"format\":%d,\"pid\":%d,", DYNSNAP_CONTROL_FORMAT, (int)getpid());
+	jb_fmt(b, "\"worker_pid\":%d,\"worker_pgid\":%d,", (int)ep->worker_pid, (int)ep->worker_pid);
+	jb_fmt(b, "\"worker_sid\":%d,\"worker_alive\":%s,", (int)ep->worker_pid,
+	       ep->worker_alive ? "true" : "false");
+	if (ep->worker_status >= 0)
+		jb_fmt(b, "\"worker_status\":%d,", ep->worker_status);
+	else
+		jb_raw(b, "\"worker_status\":null,");
+	jb_fmt(b, "\"system_port\":%d,\"probe_port\":%d,\"state\":", ep->system_port, ep->probe_port);
+	jb_str(b, ep_state_names[ep->state], WORD_MAX);
+	jb_fmt(b, ",\"request_seq\":%lld,\"request_error\":", ep->request_seq);
+	jb_str(b, ep->request_error[0] ? ep->request_error : NULL, FIELD_MAX);
+	jb_raw(b, ",\"request_wakeup\":");
+	jb_str(b, ep->request_wakeup ? ep->request_wakeup : "tick", WORD_MAX);
+	jb_raw(b, ",\"request_noticed\":");
+	jb_str(b, ep->request_noticed, WORD_MAX);
+	jb_fmt(b, ",\"pid_floor\":%d,\"pid_reserved\":%s,\"seccomp\":", DYNSNAP_PID_FLOOR,
+	       ep->pid_reserved ? "true" : "false");
+	jb_str(b, ep->seccomp_status, WORD_MAX);
+	jb_raw(b, ",\"log_file\":");
+	jb_str(b, ep->log_path, FIELD_MAX);
+	jb_raw(b, ",\"thp_preload\":");
+	jb_str(b, ep->thp_preload[0] ? ep->thp_preload : NULL, FIELD_MAX);
+	jb_raw(b, ",\"worker_command\":");
+	jb_str(b, ep->worker_command, FIELD_MAX);
+	jb_fmt(b, ",\"started\":%lld.%03lld,", ep->started_ms / 1000, ep->started_ms % 1000);
+	jb_fmt(b, "\"updated\":%lld.%03lld}\n", upd / 1000, upd % 1000);
 }
 
 int control_write(const struct ep *ep)
 {
-	char buf[8192] = "";
+	static char buf[CONTROL_MAX];
 	char path[PATH_MAX + 32], tmp[PATH_MAX + 32];
-	long long upd = now_ms();
-	size_t len;
+	struct jbuf b;
 	int fd;
 
-	json_add(buf, sizeof(buf), "{\"format\":%d,\"pid\":%d,", DYNSNAP_CONTROL_FORMAT, (int)getpid());
-	json_add(buf, sizeof(buf), "\"worker_pid\":%d,\"worker_pgid\":%d,\"worker_sid\":%d,",
-		 (int)ep->worker_pid, (int)ep->worker_pid, (int)ep->worker_pid);
-	json_add(buf, sizeof(buf), "\"worker_alive\":%s,", ep->worker_alive ? "true" : "false");
-	if (ep->worker_status >= 0)
-		json_add(buf, sizeof(buf), "\"worker_status\":%d,", ep->worker_status);
-	else
-		json_add(buf, sizeof(buf), "\"worker_status\":null,");
-	json_add(buf, sizeof(buf), "\"system_port\":%d,\"probe_port\":%d,\"state\":",
-		 ep->system_port, ep->probe_port);
-	json_str(buf, sizeof(buf), ep_state_names[ep->state]);
-	json_add(buf, sizeof(buf), ",\"request_seq\":%lld,\"request_error\":", ep->request_seq);
-	if (ep->request_error[0])
-		json_str(buf, sizeof(buf), ep->request_error);
-	else
-		json_add(buf, sizeof(buf), "null");
-	json_add(buf, sizeof(buf), ",\"request_wakeup\":");
-	json_str(buf, sizeof(buf), ep->request_wakeup ? ep->request_wakeup : "tick");
-	json_add(buf, sizeof(buf), ",\"request_noticed\":");
-	if (ep->request_noticed)
-		json_str(buf, sizeof(buf), ep->request_noticed);
-	else
-		json_add(buf, sizeof(buf), "null");
-	json_add(buf, sizeof(buf), ",\"pid_floor\":%d,\"pid_reserved\":%s,\"seccomp\":",
-		 DYNSNAP_PID_FLOOR, ep->pid_reserved ? "true" : "false");
-	json_str(buf, sizeof(buf), ep->seccomp_status);
-	json_add(buf, sizeof(buf), ",\"log_file\":");
-	json_str(buf, sizeof(buf), ep->log_path);
-	json_add(buf, sizeof(buf), ",\"thp_preload\":");
-	if (ep->thp_preload[0])
-		json_str(buf, sizeof(buf), ep->thp_preload);
-	else
-		json_add(buf, sizeof(buf), "null");
-	json_add(buf, sizeof(buf), ",\"started\":%lld.%03lld,\"updated\":%lld.%03lld}\n",
-		 ep->started_ms / 1000, ep->started_ms % 1000, upd / 1000, upd % 1000);
-
+	jb_init(&b, buf, sizeof(buf));
+	control_json(&b, ep, now_ms());
 	snprintf(path, sizeof(path), "%s/%s", ep->control_dir, DYNSNAP_CONTROL_FILE);
+	if (b.full) { /* cannot happen (the assertion above); never write half a document */
+		ep_log("cannot write %s: the document does not fit %d bytes", path, CONTROL_MAX);
+		return -1;
+	}
 	snprintf(tmp, sizeof(tmp), "%s/.%s.tmp", ep->control_dir, DYNSNAP_CONTROL_FILE);
 	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
 	if (fd < 0)
 		goto fail;
-	len = strlen(buf);
-	if (write(fd, buf, len) != (ssize_t)len) {
+	if (write(fd, buf, b.len) != (ssize_t)b.len) {
 		close(fd);
 		goto fail;
 	}

@@ -1,28 +1,58 @@
 /*
- * The pod's probe endpoints. /live: 200 while the entrypoint lives, except
- * that while the worker is active it answers what the worker's /live answers.
- * /health: the worker's /health while active, 503 in every other state.
- * One connection at a time; every wait is bounded so that a stuck client or
- * worker delays the main loop by at most about a second.
+ * The pod's probe endpoints. /live: 200 while the entrypoint lives, except that while the worker
+ * is active it answers what the worker's /live answers. /health: the worker's /health while
+ * active, 503 in every other state.
+ *
+ * Served from main.c's poll loop without ever blocking it (docs/ENTRYPOINT.md, "Probe server"):
+ * every socket is non-blocking, each connection is a small state machine that moves whenever its
+ * socket is ready, and each phase has a deadline. So a client that sends one byte a second, or
+ * nothing, or a worker that does not answer, costs the loop nothing but a slot: state requests
+ * and other probes go on being served. At most PROBE_MAX_CONNS connections are held; when all
+ * are taken, the oldest one that has not sent its whole request yet makes room for the new one
+ * (a prober sends its request at once, so it is never the one that goes).
+ * Calls upstream.c (asking the worker) and common.c; main.c passes the state in.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <stdio.h>
-#include <string.h>
 #include <stdlib.h>
-#include <strings.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <arpa/inet.h>
 
 #include "entrypoint.h"
 
-/* Under kubelet's default probe timeout (1 s), so a slow worker is reported
- * as failing by us rather than as a probe timeout. */
+/* A prober sends its request at once: one that has not come whole by then is not from a prober
+ * that is still waiting (twice kubelet's default 1 s probe timeout). */
+#define REQUEST_TIMEOUT_MS 2000
+/* Under kubelet's default probe timeout (1 s), so a slow worker is reported as failing by us
+ * rather than as a probe timeout. */
 #define WORKER_TIMEOUT_MS 800
-#define CLIENT_TIMEOUT_MS 1000
+/* Our answer is a few KiB and fits the socket's buffer; a client that reads nothing gets this. */
+#define ANSWER_TIMEOUT_MS 1000
+#define ACCEPT_BURST 8 /* accepted per turn of the loop, so a flood of connects takes turns too */
+
+enum phase { FREE, REQUEST, WORKER, ANSWER };
+
+struct conn {
+	enum phase phase;
+	int fd;                   /* the client */
+	long long deadline;       /* of the current phase, mono_ms */
+	unsigned long long order; /* accept order: the oldest request gives way first */
+	bool head;
+	const char *path;         /* "/live" or "/health" while the worker is asked */
+	size_t len, off;          /* bytes in req or out; sent of out */
+	char req[2048];           /* the client's request */
+	struct upstream up;       /* the worker, while asked */
+	char out[UPSTREAM_BODY_MAX + 1 + 512]; /* our answer */
+};
+
+static int lfd = -1; /* the listening socket */
+static struct {      /* zeroed (in .bss, not in the binary): every slot FREE */
+	unsigned long long accepted;
+	struct conn c[PROBE_MAX_CONNS];
+} ps;
 
 int probe_listen(int port)
 {
@@ -38,7 +68,7 @@ int probe_listen(int port)
 		setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
 		setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
 		if (bind(fd, (struct sockaddr *)&a6, sizeof(a6)) == 0 && listen(fd, 16) == 0)
-			return fd;
+			return lfd = fd;
 		close(fd);
 	}
 	fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -51,123 +81,16 @@ int probe_listen(int port)
 		errno = e;
 		return -1;
 	}
-	return fd;
+	return lfd = fd;
 }
 
-static int wait_fd(int fd, short ev, long long deadline)
+static void conn_close(struct conn *c)
 {
-	struct pollfd p = { .fd = fd, .events = ev };
-	long long left = deadline - mono_ms();
-	if (left <= 0)
-		return 0;
-	return poll(&p, 1, (int)left) > 0;
-}
-
-static int send_all(int fd, const char *buf, size_t len, long long deadline)
-{
-	while (len > 0) {
-		ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
-		if (n > 0) {
-			buf += n;
-			len -= (size_t)n;
-		} else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-			if (!wait_fd(fd, POLLOUT, deadline))
-				return -1;
-		} else {
-			return -1;
-		}
-	}
-	return 0;
-}
-
-/*
- * GET http://127.0.0.1:port/path with a total deadline. Returns the HTTP status
- * and copies the body (truncated) and content type; -1 with err set when the
- * worker could not be asked or did not answer in time.
- */
-static int worker_get(int port, const char *path, char *body, size_t bodysz, char *ctype,
-		      size_t ctypesz, const char **err)
-{
-	long long deadline = mono_ms() + WORKER_TIMEOUT_MS;
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
-				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	char req[256], resp[16384], *hend, *p;
-	size_t got = 0;
-	long clen = -1;
-	int fd, status = -1, soerr = 0;
-	socklen_t sl = sizeof(soerr);
-
-	body[0] = '\0';
-	ctype[0] = '\0';
-	fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-	if (fd < 0) {
-		*err = "socket failed";
-		return -1;
-	}
-	if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
-		if (errno != EINPROGRESS) {
-			*err = errno == ECONNREFUSED ? "connection refused" : "connect failed";
-			goto out;
-		}
-		if (!wait_fd(fd, POLLOUT, deadline)) {
-			*err = "connect timed out";
-			goto out;
-		}
-		getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
-		if (soerr) {
-			*err = soerr == ECONNREFUSED ? "connection refused" : "connect failed";
-			goto out;
-		}
-	}
-	snprintf(req, sizeof(req),
-		 "GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\nUser-Agent: dynsnap-entrypoint\r\n\r\n", path,
-		 port);
-	if (send_all(fd, req, strlen(req), deadline) != 0) {
-		*err = "send failed";
-		goto out;
-	}
-	for (;;) {
-		ssize_t n = recv(fd, resp + got, sizeof(resp) - 1 - got, 0);
-		if (n > 0) {
-			got += (size_t)n;
-			resp[got] = '\0';
-			hend = strstr(resp, "\r\n\r\n");
-			if (hend && clen < 0 && (p = strcasestr(resp, "\r\ncontent-length:")) && p < hend)
-				clen = strtol(p + 17, NULL, 10);
-			if (got == sizeof(resp) - 1 || (hend && clen >= 0 && got >= (size_t)(hend + 4 - resp) + (size_t)clen))
-				break;
-		} else if (n == 0) {
-			break;
-		} else if (errno == EAGAIN || errno == EINTR) {
-			if (!wait_fd(fd, POLLIN, deadline)) {
-				*err = "no answer in time";
-				goto out;
-			}
-		} else {
-			*err = "receive failed";
-			goto out;
-		}
-	}
-	resp[got] = '\0';
-	if (sscanf(resp, "HTTP/%*d.%*d %d", &status) != 1) {
-		*err = "not an HTTP response";
-		status = -1;
-		goto out;
-	}
-	hend = strstr(resp, "\r\n\r\n");
-	if (hend) {
-		*hend = '\0';
-		if ((p = strcasestr(resp, "\r\ncontent-type:"))) {
-			p += 15;
-			while (*p == ' ')
-				p++;
-			snprintf(ctype, ctypesz, "%.*s", (int)strcspn(p, "\r\n"), p);
-		}
-		snprintf(body, bodysz, "%s", hend + 4);
-	}
-out:
-	close(fd);
-	return status;
+	upstream_close(&c->up);
+	if (c->phase != FREE)
+		close(c->fd);
+	c->phase = FREE;
+	c->fd = -1;
 }
 
 static const char *reason(int code)
@@ -182,90 +105,233 @@ static const char *reason(int code)
 	}
 }
 
-static void respond(int fd, int code, const char *ctype, const char *body, bool head,
-		    const struct ep *ep, long long deadline)
+/* Turns c to ANSWER with this answer; the X-Dynsnap-State header is the state at this moment. */
+static void answer(struct conn *c, const struct ep *ep, int code, const char *ctype, const char *body)
 {
-	char hdr[512];
-	int n = snprintf(hdr, sizeof(hdr),
+	int n = snprintf(c->out, sizeof(c->out),
 			 "HTTP/1.0 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
-			 "X-Dynsnap-State: %s\r\nConnection: close\r\n\r\n",
-			 code, reason(code), ctype, strlen(body), ep_state_names[ep->state]);
-	if (send_all(fd, hdr, (size_t)n, deadline) == 0 && !head)
-		send_all(fd, body, strlen(body), deadline);
+			 "X-Dynsnap-State: %s\r\nConnection: close\r\n\r\n%s",
+			 code, reason(code), ctype, strlen(body), ep_state_names[ep->state], c->head ? "" : body);
+	upstream_close(&c->up);
+	c->len = n < 0 ? 0 : (size_t)n >= sizeof(c->out) ? sizeof(c->out) - 1 : (size_t)n;
+	c->off = 0;
+	c->phase = ANSWER;
+	c->deadline = mono_ms() + ANSWER_TIMEOUT_MS;
 }
 
-static void serve_conn(int fd, const struct ep *ep)
+static void answer_unreachable(struct conn *c, const struct ep *ep, const char *err)
 {
-	long long deadline = mono_ms() + CLIENT_TIMEOUT_MS;
-	char req[2048], method[16], target[256], body[4096], ctype[128];
-	const char *path, *err = "";
-	size_t got = 0;
-	bool head;
-	int code;
+	char body[256];
+	snprintf(body, sizeof(body),
+		 "{\"status\":\"unreachable\",\"state\":\"active\",\"error\":\"worker %s: %s\","
+		 "\"source\":\"dynsnap-entrypoint\"}\n", c->path, err);
+	answer(c, ep, 503, "application/json", body);
+}
 
-	for (;;) {
-		ssize_t n = recv(fd, req + got, sizeof(req) - 1 - got, 0);
-		if (n > 0) {
-			got += (size_t)n;
-			req[got] = '\0';
-			if (strstr(req, "\r\n\r\n") || strstr(req, "\n\n") || got == sizeof(req) - 1)
-				break;
-		} else if (n == 0) {
-			break;
-		} else if (errno == EAGAIN || errno == EINTR) {
-			if (!wait_fd(fd, POLLIN, deadline))
-				return;
-		} else {
-			return;
-		}
-	}
-	req[got] = '\0';
-	if (sscanf(req, "%15s %255s", method, target) != 2) {
-		respond(fd, 400, "text/plain", "bad request\n", false, ep, deadline);
+/* Starts asking the worker, with its deadline. */
+static void worker_start(struct conn *c, const struct ep *ep)
+{
+	const char *err;
+
+	c->deadline = mono_ms() + WORKER_TIMEOUT_MS;
+	c->phase = WORKER;
+	if (upstream_start(&c->up, ep->system_port, c->path, &err) != 0)
+		answer_unreachable(c, ep, err);
+}
+
+/* One step of asking the worker; its answer passed on once it is in. */
+static void worker_step(struct conn *c, const struct ep *ep)
+{
+	char ctype[128];
+	const char *err, *body;
+	int r = upstream_io(&c->up, &err);
+
+	if (r == 0)
+		return;
+	if (r > 0 && (r = upstream_answer(&c->up, ctype, sizeof(ctype), &body, &err)) >= 0)
+		answer(c, ep, r, ctype[0] ? ctype : "text/plain", body);
+	else
+		answer_unreachable(c, ep, err);
+}
+
+/* The client's whole request is in: answer it, or ask the worker. */
+static void request_done(struct conn *c, const struct ep *ep)
+{
+	char method[16], target[256];
+
+	if (sscanf(c->req, "%15s %255s", method, target) != 2) {
+		answer(c, ep, 400, "text/plain", "bad request\n");
 		return;
 	}
-	head = strcmp(method, "HEAD") == 0;
-	if (!head && strcmp(method, "GET") != 0) {
-		respond(fd, 405, "text/plain", "only GET and HEAD\n", false, ep, deadline);
+	c->head = strcmp(method, "HEAD") == 0;
+	if (!c->head && strcmp(method, "GET") != 0) {
+		answer(c, ep, 405, "text/plain", "only GET and HEAD\n");
 		return;
 	}
 	target[strcspn(target, "?#")] = '\0';
 	if (strcmp(target, "/live") == 0)
-		path = "/live";
+		c->path = "/live";
 	else if (strcmp(target, "/health") == 0)
-		path = "/health";
+		c->path = "/health";
 	else {
-		respond(fd, 404, "text/plain", "dynsnap-entrypoint serves /live and /health\n", head, ep,
-			deadline);
+		answer(c, ep, 404, "text/plain", "dynsnap-entrypoint serves /live and /health\n");
 		return;
 	}
-
 	if (ep->state != ST_ACTIVE) {
-		bool live = path[1] == 'l';
+		bool live = c->path[1] == 'l';
+		char body[256];
 		snprintf(body, sizeof(body), "{\"status\":\"%s\",\"state\":\"%s\",\"source\":\"dynsnap-entrypoint\"}\n",
 			 live ? "live" : "notready", ep_state_names[ep->state]);
-		respond(fd, live ? 200 : 503, "application/json", body, head, ep, deadline);
+		answer(c, ep, live ? 200 : 503, "application/json", body);
 		return;
 	}
-	code = worker_get(ep->system_port, path, body, sizeof(body), ctype, sizeof(ctype), &err);
-	if (code < 0) {
-		snprintf(body, sizeof(body),
-			 "{\"status\":\"unreachable\",\"state\":\"active\",\"error\":\"worker %s: %s\","
-			 "\"source\":\"dynsnap-entrypoint\"}\n", path, err);
-		respond(fd, 503, "application/json", body, head, ep, deadline);
-		return;
-	}
-	respond(fd, code, ctype[0] ? ctype : "text/plain", body, head, ep, deadline);
+	worker_start(c, ep);
 }
 
-void probe_serve(int lfd, const struct ep *ep)
+static void read_request(struct conn *c, const struct ep *ep)
 {
-	/* Bounded: serve what is queued now, then go back to the main loop. */
-	for (int i = 0; i < 8; i++) {
+	for (;;) {
+		ssize_t n = recv(c->fd, c->req + c->len, sizeof(c->req) - 1 - c->len, 0);
+		if (n > 0) {
+			c->len += (size_t)n;
+			c->req[c->len] = '\0';
+			if (strstr(c->req, "\r\n\r\n") || strstr(c->req, "\n\n") || c->len == sizeof(c->req) - 1)
+				break;
+		} else if (n == 0) {
+			break; /* the client is done sending: answer what came */
+		} else if (errno == EINTR) {
+			continue;
+		} else if (errno == EAGAIN) {
+			return; /* the rest later, before the deadline */
+		} else {
+			conn_close(c);
+			return;
+		}
+	}
+	if (!c->len) {
+		conn_close(c);
+		return;
+	}
+	request_done(c, ep);
+}
+
+static void write_answer(struct conn *c)
+{
+	while (c->off < c->len) {
+		ssize_t n = send(c->fd, c->out + c->off, c->len - c->off, MSG_NOSIGNAL);
+		if (n < 0 && (errno == EAGAIN || errno == EINTR))
+			return;
+		if (n <= 0)
+			break;
+		c->off += (size_t)n;
+	}
+	conn_close(c);
+}
+
+/* A phase past its deadline. */
+static void expire(struct conn *c, const struct ep *ep, long long now)
+{
+	if (c->phase == FREE || now < c->deadline)
+		return;
+	switch (c->phase) {
+	case REQUEST: /* never came whole: not from a prober that is still waiting */
+	case ANSWER:  /* nobody reads it */
+		conn_close(c);
+		break;
+	default: /* the worker did not answer in time: say so */
+		answer_unreachable(c, ep, c->up.phase == UP_CONNECT ? "connect timed out" : "no answer in time");
+	}
+}
+
+/* A slot for a new connection: a free one, else the oldest still waiting for its request (it is
+ * closed); -1 when every slot is busy with a whole request (each ends by its deadline). */
+static int take_slot(bool evict)
+{
+	int oldest = -1;
+
+	for (int i = 0; i < PROBE_MAX_CONNS; i++) {
+		if (ps.c[i].phase == FREE)
+			return i;
+		if (ps.c[i].phase == REQUEST && (oldest < 0 || ps.c[i].order < ps.c[oldest].order))
+			oldest = i;
+	}
+	if (oldest >= 0 && evict)
+		conn_close(&ps.c[oldest]);
+	return oldest;
+}
+
+static void accept_some(void)
+{
+	for (int i = 0; i < ACCEPT_BURST && take_slot(false) >= 0; i++) {
 		int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		struct conn *c;
 		if (fd < 0)
 			return;
-		serve_conn(fd, ep);
-		close(fd);
+		c = &ps.c[take_slot(true)];
+		c->phase = REQUEST;
+		c->fd = fd;
+		c->up.fd = -1;
+		c->order = ++ps.accepted;
+		c->deadline = mono_ms() + REQUEST_TIMEOUT_MS;
+		c->head = false;
+		c->len = c->off = 0;
+		c->req[0] = '\0';
 	}
+}
+
+int probe_fds(struct pollfd *pf, int max)
+{
+	int n = 0;
+
+	if (lfd >= 0 && n < max && take_slot(false) >= 0) /* full of whole requests: let them wait */
+		pf[n++] = (struct pollfd){ .fd = lfd, .events = POLLIN };
+	for (int i = 0; i < PROBE_MAX_CONNS && n < max; i++) {
+		struct conn *c = &ps.c[i];
+		switch (c->phase) {
+		case FREE: break;
+		case REQUEST: pf[n++] = (struct pollfd){ .fd = c->fd, .events = POLLIN }; break;
+		case WORKER: pf[n++] = (struct pollfd){ .fd = c->up.fd, .events = upstream_events(&c->up) }; break;
+		case ANSWER: pf[n++] = (struct pollfd){ .fd = c->fd, .events = POLLOUT }; break;
+		}
+	}
+	return n;
+}
+
+int probe_timeout(int tick_ms)
+{
+	long long now = mono_ms(), t = tick_ms;
+
+	for (int i = 0; i < PROBE_MAX_CONNS; i++)
+		if (ps.c[i].phase != FREE && ps.c[i].deadline - now < t)
+			t = ps.c[i].deadline - now;
+	return t < 0 ? 0 : (int)t;
+}
+
+/* Moves c on as far as its sockets let it, without waiting. */
+static void conn_step(struct conn *c, const struct ep *ep)
+{
+	if (c->phase == REQUEST)
+		read_request(c, ep);
+	if (c->phase == WORKER)
+		worker_step(c, ep);
+	if (c->phase == ANSWER)
+		write_answer(c);
+}
+
+/* Every connection moved on, deadlines applied, then new ones taken (at the bound, the oldest
+ * that has still not sent a whole request after this turn's reads makes room) and started on:
+ * a prober's request is usually in already. */
+void probe_step(const struct ep *ep)
+{
+	long long now;
+
+	for (int i = 0; i < PROBE_MAX_CONNS; i++)
+		conn_step(&ps.c[i], ep);
+	now = mono_ms();
+	for (int i = 0; i < PROBE_MAX_CONNS; i++)
+		expire(&ps.c[i], ep, now);
+	accept_some();
+	for (int i = 0; i < PROBE_MAX_CONNS; i++)
+		if (ps.c[i].phase == REQUEST && ps.c[i].len == 0)
+			conn_step(&ps.c[i], ep);
 }

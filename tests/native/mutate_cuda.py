@@ -20,17 +20,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.mutation.runner import Edit, Suite, main, mutation
 
-C = "native/cuda/dynsnap-cuda.c"
+ACT = "native/cuda/actions.c"
+ARGS = "native/cuda/args.c"
+DRV = "native/cuda/driver.c"
+MEM = "native/cuda/memory.c"
+OUT = "native/cuda/output.c"
+PH = "native/cuda/phases.c"
 G = "native/cuda/gpumap.c"
 TESTS = ["tests/native"]
 K = "cuda"
 
 MUTATIONS = (
     mutation(
-        "save-interleaves-lock-checkpoint", "`save` interleaves lock+checkpoint per pid", C,
-        "\t\tfails = run_phase(OP_LOCK, NULL, 0);\n\t\tmark(\"lock\");\n\t\tif (fails) {",
-        "\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], OP_LOCK) == CUDA_SUCCESS) "
-        "do_op(&jobs[k], OP_CHECKPOINT); }\n\t\tfails = 0;\n\t\tif (fails) {",
+        "save-interleaves-lock-checkpoint", "`save` interleaves lock+checkpoint per pid", ACT,
+        "\tint fails = run_phase(OP_LOCK, NULL, 0);\n\n\tmark(\"lock\");\n\tif (fails) {",
+        "\tint fails = 0;\n\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], OP_LOCK) == CUDA_SUCCESS) "
+        "do_op(&jobs[k], OP_CHECKPOINT); }\n\tif (fails) {",
         tests=TESTS, k=K),
     mutation(
         "no-map-count-check", "map count check dropped", G,
@@ -45,9 +50,9 @@ MUTATIONS = (
         "\t\t    resolve_side(new_s, visible, nvisible, &out[n].old_uuid, err, errlen)",
         tests=TESTS, k=K),
     mutation(
-        "no-rollback-after-failed-lock", "no rollback after a failed lock", C,
-        "\t\t\trun_phase(OP_UNLOCK, locked, 0);\n",
-        "\t\t\t(void)locked;\n",
+        "no-rollback-after-failed-lock", "no rollback after a failed lock", ACT,
+        "\t\trun_phase(OP_UNLOCK, locked, 0);\n",
+        "\t\t(void)locked;\n",
         tests=TESTS, k=K),
     mutation(
         "uuid-dashes-not-skipped", "dashes not skipped in UUIDs", G,
@@ -55,37 +60,37 @@ MUTATIONS = (
         "\t\tv = hexval(",
         tests=TESTS, k=K),
     mutation(
-        "no-free-memory-refusal", "free-memory refusal dropped", C,
-        "free_before[d] >= need[d])",
-        "1)",
+        "no-free-memory-refusal", "free-memory refusal dropped", ACT,
+        "if (need <= 0 || free_b < 0 || free_b >= need)",
+        "if (1)",
         tests=TESTS, k=K),
     mutation(
-        "resume-unlocks-per-pid", "`resume` unlocks each pid right after its restore", C,
-        "\t\tfails = run_phase(first, NULL, 0);\n\t\tmark(op_name[first]);\n\t\tif (!fails && second != OP_NONE) {\n"
-        "\t\t\tfails = run_phase(second, NULL, 0);",
-        "\t\tfails = 0;\n\t\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], first) != CUDA_SUCCESS) "
-        "{ fails++; continue; } if (second != OP_NONE && do_op(&jobs[k], second) != CUDA_SUCCESS) fails++; }\n"
-        "\t\tif (0) {",
+        "resume-unlocks-per-pid", "`resume` unlocks each pid right after its restore", ACT,
+        "\tfails = run_phase(c->first, NULL, 0);\n\tmark(op_name[c->first]);\n"
+        "\tif (!fails && c->second != OP_NONE) {\n\t\tfails = run_phase(c->second, NULL, 0);",
+        "\tfails = 0;\n\tfor (int k = 0; k < njobs; k++) { if (do_op(&jobs[k], c->first) != CUDA_SUCCESS) "
+        "{ fails++; continue; } if (c->second != OP_NONE && do_op(&jobs[k], c->second) != CUDA_SUCCESS) fails++; }\n"
+        "\tif (0) {",
         tests=TESTS, k=K),
     mutation(
-        "save-continues-after-failed-checkpoint", "`save` keeps checkpointing after a failed checkpoint", C,
+        "save-continues-after-failed-checkpoint", "`save` keeps checkpointing after a failed checkpoint", ACT,
         "fails = run_phase(OP_CHECKPOINT, NULL, 1);",
         "fails = run_phase(OP_CHECKPOINT, NULL, 0);",
         tests=TESTS, k=K),
     mutation(
-        "map-validated-after-restore", "map validated after the restore instead of before", C,
-        "\tif (map) {\n\t\tif (enumerate_devices()) {",
-        "\tif (map) {\n\t\trun_phase(OP_RESTORE, NULL, 0);\n\t\tif (enumerate_devices()) {",
+        "map-validated-after-restore", "map validated after the restore instead of before", ACT,
+        "\tchar err[512];\n\n\tif (enumerate_devices()) {",
+        "\tchar err[512];\n\n\trun_phase(OP_RESTORE, NULL, 0);\n\tif (enumerate_devices()) {",
         tests=TESTS, k=K),
     mutation(
-        "no-lock-timeout", "lock timeout not passed to the driver", C,
+        "no-lock-timeout", "lock timeout not passed to the driver", PH,
         "a.timeoutMs = opt.timeout_ms;",
         "a.timeoutMs = 0;",
         tests=TESTS, k=K),
     mutation(
         "invisible-target-accepted", "a target GPU that is not visible accepted", G,
         "\t\tif (!is_visible(&out[n].new_uuid, visible, nvisible)) {",
-        "\t\tif (0) {",
+        "\t\tif (0 && !is_visible(&out[n].new_uuid, visible, nvisible)) {",
         tests=TESTS, k=K),
     mutation(
         "duplicate-targets-accepted", "duplicate targets accepted", G,
@@ -93,12 +98,12 @@ MUTATIONS = (
         "\t\t\tif (0) {",
         tests=TESTS, k=K),
     mutation(
-        "nvml-total-as-free", "NVML's total taken as the free bytes", C,
+        "nvml-total-as-free", "NVML's total taken as the free bytes", MEM,
         "*free_b = (long long)m.free;",
         "*free_b = (long long)m.total;",
         tests=TESTS, k=K),
     mutation(
-        "no-primary-context-fallback", "never fall back to the primary context", C,
+        "no-primary-context-fallback", "never fall back to the primary context", MEM,
         "\t\telse if (cuda_free(d, &free_b[d]) == 0)\n",
         "\t\telse if (0 && cuda_free(d, &free_b[d]) == 0)\n",
         tests=TESTS, k=K),
@@ -109,31 +114,37 @@ MUTATIONS = (
         tests=TESTS, k=K),
     mutation(
         "refused-restore-reported-ok",
-        "a refused restore reported `\"ok\": true, \"error\": null` in `--json` (the code before the fix)", C,
+        "a refused restore reported `\"ok\": true, \"error\": null` in `--json` (the code before the fix)", OUT,
         "!j->skipped && !refusal[0] ? \"true\"",
         "!j->skipped ? \"true\"",
-        more=[Edit(C, "\t\telse if (refusal[0])\n\t\t\tprintf(\"\\\"%s\\\"\", refusal);\n", "")],
+        more=[Edit(OUT, "\t\telse if (refusal[0])\n\t\t\tprintf(\"\\\"%s\\\"\", refusal);\n", "")],
         tests=TESTS, k=K),
     mutation(
-        "gpus-line-after-is-before", "the `gpus` line of a resume reports the reading before as the one after", C,
-        "\t\tsample_free(free_after, src_after);\n\t\tgpus_line(free_before, src_before, free_after, src_after);",
-        "\t\tsample_free(free_after, src_after);\n\t\tgpus_line(free_before, src_before, free_before, src_before);",
+        "gpus-line-after-is-before", "the `gpus` line of a resume reports the reading before as the one after", ACT,
+        "\t\tsample_free(free_after, src_after);\n\t\tgpus_line(a.free_before, a.src_before, free_after, src_after);",
+        "\t\tsample_free(free_after, src_after);\n"
+        "\t\tgpus_line(a.free_before, a.src_before, a.free_before, a.src_before);",
         tests=TESTS, k=K),
     mutation(
-        "gpus-line-on-refusal", "a refused resume prints a `gpus` line though nothing was done", C,
-        "\t\t\t\t\tjobs[i].state_after = jobs[i].state_before;\n\t\t\t\tif (json)",
-        "\t\t\t\t\tjobs[i].state_after = jobs[i].state_before;\n"
-        "\t\t\t\tgpus_line(free_before, src_before, free_before, src_before);\n\t\t\t\tif (json)",
+        "gpus-line-on-refusal", "a refused resume prints a `gpus` line though nothing was done", ACT,
+        "\t\t\tjobs[i].state_after = jobs[i].state_before;\n\t\tif (c->json)",
+        "\t\t\tjobs[i].state_after = jobs[i].state_before;\n"
+        "\t\tgpus_line(a->free_before, a->src_before, a->free_before, a->src_before);\n\t\tif (c->json)",
         tests=TESTS, k=K),
     mutation(
-        "cuinit-at-load", "cuInit made when the driver is loaded, as before (100-185 ms a call on the H200)", C,
+        "cuinit-at-load", "cuInit made when the driver is loaded, as before (100-185 ms a call on the H200)", DRV,
         "\tdrv.init_ok = -1; /* cuInit on first need: driver_init */",
         "\tdrv.init_ok = drv.Init(0) == CUDA_SUCCESS;",
         tests=TESTS, k=K),
     mutation(
-        "no-retry-after-init", "a call refused for want of cuInit is not made again", C,
+        "no-retry-after-init", "a call refused for want of cuInit is not made again", DRV,
         "\treturn r == CUDA_ERROR_NOT_INITIALIZED && driver_init();",
         "\treturn 0 && r == CUDA_ERROR_NOT_INITIALIZED && driver_init();",
+        tests=TESTS, k=K),
+    mutation(
+        "stray-argument-accepted", "a word that is no option ignored (getopt_long moves it after the options)", ARGS,
+        "\tif (optind < argc) {",
+        "\tif (0) {",
         tests=TESTS, k=K),
 )
 

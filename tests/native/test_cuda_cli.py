@@ -226,10 +226,13 @@ def test_duplicate_pid_across_flags_is_refused(stub: Stub) -> None:
 @pytest.mark.parametrize("args", [["--action", "lock"], ["--action", "nap", "--pid", "1"],
                                   ["--get-state", "--action", "lock", "--pid", "1"],
                                   ["--action", "lock", "--pid", "1", "--timeout", "-1"],
-                                  ["--action", "lock", "--pid", "1", "--bogus"]])
+                                  ["--action", "lock", "--pid", "1", "--bogus"],
+                                  ["--action", "lock", "--pid", "1", "stray"], ["-x", "--action", "lock", "--pid", "1"],
+                                  ["--action", "lock", "--pid", "1", "--json=yes"], ["--action", "lock", "--pid"]])
 def test_usage_errors_exit_2(stub: Stub, args: list[str]) -> None:
     r = stub.run(*args)
     assert r.rc == 2 and stub.calls() == []
+    assert len(r.err.splitlines()) == 1 and r.err.startswith("dynsnap-cuda: "), r.err
 
 
 # ---- JSON ----
