@@ -15,37 +15,42 @@ build_kube() {
   rm -rf "$src"; mkdir -p "$src" "$out.tmp"
   (
     cd "$src"
-    go mod init dynsnap.local/kubebuild >/dev/null 2>&1
-    go mod edit -require="k8s.io/kubernetes@$KUBE_VERSION"
-    # k8s.io/kubernetes' go.mod requires its staging modules at v0.0.0 and
-    # replaces them with ./staging paths; a requiring module must map each
-    # one to its published tag instead.
-    local staging
-    staging=$(curl -fsS "$GOPROXY_URL/k8s.io/kubernetes/@v/$KUBE_VERSION.mod" \
-      | awk '/^\t*k8s.io\/[a-z0-9-]+ v0.0.0$/ {print $1}' | sort -u)
-    [[ -n "$staging" ]] || die "could not read the staging module list of k8s.io/kubernetes $KUBE_VERSION"
-    for m in $staging; do go mod edit -replace="$m=$m@$KUBE_STAGING_VERSION"; done
-    cat > tools.go <<'GO'
-//go:build tools
-
-package tools
-
-import (
-	_ "k8s.io/kubernetes/cmd/kube-apiserver"
-	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
-)
-GO
-    go mod tidy >/dev/null
-    local ld="-s -w" minor
-    minor=$(cut -d. -f2 <<<"$KUBE_VERSION")  # v1.34.4 -> 34
-    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-      ld="$ld -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
-    done
-    CGO_ENABLED=0 go build -tags tools -trimpath -ldflags "$ld" -o "$out.tmp/" \
+    kube_requiring_module dynsnap.local/kubebuild k8s.io/kubernetes/cmd/kube-apiserver \
+      k8s.io/kubernetes/cmd/kube-controller-manager
+    CGO_ENABLED=0 go build -tags tools -trimpath -ldflags "$(kube_ldflags)" -o "$out.tmp/" \
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
   ) || die "kube build failed (source kept in $src)"
   rm -rf "$out"; mv "$out.tmp" "$out"
   log "kube $KUBE_VERSION: built"
+}
+
+# kube_requiring_module MODULE PKG...: in the current directory, a module named MODULE that
+# requires k8s.io/kubernetes@$KUBE_VERSION and imports PKG... (tools.go, tag "tools"), tidied.
+# k8s.io/kubernetes' go.mod requires its staging modules at v0.0.0 and replaces them with
+# ./staging paths; a requiring module must map each one to its published tag instead.
+# Needs GOPROXY_URL (resolve_goproxy): the staging module list is read from the proxy.
+kube_requiring_module() {
+  local module="$1"; shift
+  go mod init "$module" >/dev/null 2>&1
+  go mod edit -require="k8s.io/kubernetes@$KUBE_VERSION"
+  local staging m
+  staging=$(curl -fsS "$GOPROXY_URL/k8s.io/kubernetes/@v/$KUBE_VERSION.mod" \
+    | awk '/^\t*k8s.io\/[a-z0-9-]+ v0.0.0$/ {print $1}' | sort -u)
+  [[ -n "$staging" ]] || die "could not read the staging module list of k8s.io/kubernetes $KUBE_VERSION"
+  for m in $staging; do go mod edit -replace="$m=$m@$KUBE_STAGING_VERSION"; done
+  { printf '//go:build tools\n\npackage tools\n\nimport (\n'; printf '\t_ "%s"\n' "$@"; printf ')\n'; } > tools.go
+  go mod tidy >/dev/null
+}
+
+# kube_ldflags: the version ldflags Kubernetes' own build sets (without them a binary says
+# v0.0.0-master and kubelet's version skew against the API server is unknown).
+kube_ldflags() {
+  local ld="-s -w" minor p
+  minor=$(cut -d. -f2 <<<"$KUBE_VERSION")  # v1.34.4 -> 34
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld="$ld -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  done
+  echo "$ld"
 }
 
 build_etcd() {

@@ -26,6 +26,7 @@ source "$ROOT/hack/lib-python.sh"
 [[ -f "$ROOT/hack/lib-cudahdr.sh" ]] && source "$ROOT/hack/lib-cudahdr.sh"
 [[ -f "$ROOT/hack/lib-helm.sh" ]] && source "$ROOT/hack/lib-helm.sh"
 [[ -f "$ROOT/hack/lib-images.sh" ]] && source "$ROOT/hack/lib-images.sh"
+[[ -f "$ROOT/hack/lib-node.sh" ]] && source "$ROOT/hack/lib-node.sh"
 
 export DYNSNAP_ETCD="$CACHE/bin/etcd-$ETCD_VERSION/etcd"
 export DYNSNAP_KUBE_APISERVER="$CACHE/bin/kube-$KUBE_VERSION/kube-apiserver"
@@ -47,6 +48,7 @@ setup_all() {
   if declare -F setup_cuda_headers >/dev/null; then setup_cuda_headers; fi
   log "native: make -C native"
   make -s -C "$ROOT/native" >&2 || die "native build failed"
+  if declare -F setup_node >/dev/null; then setup_node; fi       # after native/: the pause image carries dynsnap-pause
   if declare -F setup_images >/dev/null; then setup_images; fi   # after native/ and CRIU: the images carry them
   log "setup done in $((SECONDS - t0)) s"
 }

@@ -28,6 +28,8 @@ CLIENT = "dynsnap/k8s/client.py"
 INFORMER = "dynsnap/k8s/informer.py"
 DYNAMO_MODEL = "dynsnap/models/dynamo.py"
 DYNAMO_HARNESS = "dynsnap/testenv/dynamo.py"
+NODE = "dynsnap/testenv/node.py"
+NODE_CONFIG = "dynsnap/testenv/node_config.py"
 
 UNITS = "tests/unit/test_testenv_units.py::"
 READY_RULE = UNITS + "test_ready_is_containers_ready_and_every_gate"
@@ -37,6 +39,9 @@ WATCH_GONE = ("tests/integration/test_apiserver.py::"
               "test_watch_from_too_old_resource_version_is_gone_and_relist_recovers")
 PINNED = "tests/integration/test_dynamo.py::test_pinned_request_is_answered_by_that_worker"
 LIVENESS = "tests/integration/test_stub_kubelet.py::test_liveness_failures_are_counted_as_restarts[/missing-True]"
+REAL_NODE = "tests/integration/test_real_node.py"
+REAL_POD = REAL_NODE + "::test_pod_runs_on_the_real_node"
+IMAGE_REF = "tests/unit/test_testenv_node.py::test_image_ref_is_the_name_the_cri_looks_up"
 
 MUTATIONS = (
     mutation(
@@ -78,6 +83,30 @@ MUTATIONS = (
         "live_failures += 1",
         "live_failures += 0",
         tests=[LIVENESS], modules=["dynsnap.testenv.kubelet"]),
+    # The real node (dynsnap.testenv.node). Its cgroup row leaves the node's empty cgroup directories
+    # behind, as it must to be seen; the next start of a node of the same bridge and name removes them.
+    mutation(
+        "node-kubelet-root-private", "real node: kubelet's root directory not made a shared mount", NODE,
+        '        await run_command([mount, "--bind", root, root], timeout=10)\n'
+        '        await run_command([mount, "--make-shared", root], timeout=10)\n',
+        "        pass\n",
+        tests=[REAL_POD], modules=["dynsnap.testenv.node"]),
+    mutation(
+        "node-image-name-as-is", "real node: images imported under their own name, not the one the CRI looks up",
+        NODE, '    first, sep, _ = name.partition("/")\n', '    return name\n    first, sep, _ = name.partition("/")\n',
+        tests=[IMAGE_REF, REAL_POD], modules=["dynsnap.testenv.node"]),
+    mutation(
+        "node-sysctls-not-shadowed", "real node: kubelet reads the host's own sysctls (no copies over them)",
+        NODE_CONFIG, '  mount --bind "$f" "$target"\n  mount -o remount,bind,ro "$target"\n', "  :\n",
+        tests=[REAL_NODE], modules=["dynsnap.testenv.node_config"]),
+    mutation(
+        "node-oom-score-adj-unrestricted", "real node: containerd lets the CRI lower oom_score_adj (-998 sandboxes)",
+        NODE_CONFIG, '        "  restrict_oom_score_adj = true",', '        "  restrict_oom_score_adj = false",',
+        tests=[REAL_POD], modules=["dynsnap.testenv.node_config"]),
+    mutation(
+        "node-cgroups-left", "real node: its cgroup tree is not removed when it stops", NODE,
+        "        await clean.remove_cgroup_tree(self.cgroup_root)\n", "",
+        tests=[REAL_NODE], modules=["dynsnap.testenv.node"]),
 )
 
 SUITE = Suite(

@@ -1,8 +1,12 @@
 """etcd + kube-apiserver + kube-controller-manager, real binaries, local addresses.
 
-The API server serves TLS with token authentication and RBAC on; the controller
+The API server serves TLS with token authentication and RBAC on (client certificates of the
+environment's CA authenticate too, and the Node authorizer with NodeRestriction confines a real
+node's kubelet, ``system:node:<name>``, to its own node and pods, as in a cluster); it reaches a
+kubelet only at the node's InternalIP, with its own client certificate, verifying the kubelet's
+serving certificate against the CA (``node.py``). The controller
 manager runs the EndpointSlice controller, the garbage collector, the namespace and
-service-account controllers, each under its own service account
+service-account controllers and the root-CA publisher, each under its own service account
 (``--use-service-account-credentials``), exactly as in a cluster. Identities are static
 tokens; ``kubeconfig_for`` writes a kubeconfig for any of them. ``apiserver_args`` are extra
 kube-apiserver flags (after the defaults: a repeated flag wins); ``restart_apiserver`` stops the API
@@ -26,9 +30,14 @@ import yaml
 from dynsnap.testenv.pki import Pki, make_pki
 from dynsnap.testenv.process import Supervised, require_binary
 
-# Controllers the suite relies on; nodes are fake (kwok), so node-lifecycle stays off
-# (it would taint and evict pods of nodes whose kubelet never reports).
-KCM_CONTROLLERS = "endpointslice-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller"
+# Controllers the suite relies on; most nodes are fake (kwok), so node-lifecycle stays off
+# (it would taint and evict pods of nodes whose kubelet never reports), and so does node IPAM:
+# every node is created with its spec.podCIDR by the harness (kwok's by cluster.py, a real
+# node's by node.py before its kubelet registers it).
+# The root-CA publisher puts kube-root-ca.crt into every namespace: a real kubelet needs it for the
+# service-account token volume (kube-api-access-*) of every pod it runs.
+KCM_CONTROLLERS = ("endpointslice-controller,garbage-collector-controller,namespace-controller,"
+                   "serviceaccount-controller,root-ca-certificate-publisher-controller")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -131,7 +140,15 @@ class ControlPlane:
             f"--advertise-address={self.bind_address}",
             f"--tls-cert-file={pki.serving_cert}", f"--tls-private-key-file={pki.serving_key}",
             f"--token-auth-file={tokens}",
-            "--authorization-mode=RBAC",
+            f"--client-ca-file={pki.ca_cert}",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            f"--kubelet-client-certificate={pki.kubelet_client_cert}",
+            f"--kubelet-client-key={pki.kubelet_client_key}",
+            f"--kubelet-certificate-authority={pki.ca_cert}",
+            # Only the node's InternalIP: the default tries its Hostname first, a DNS lookup
+            # through the host's resolver, which is no part of this environment.
+            "--kubelet-preferred-address-types=InternalIP",
             "--anonymous-auth=false",
             f"--service-account-key-file={pki.sa_pub}",
             f"--service-account-signing-key-file={pki.sa_key}",
