@@ -210,8 +210,9 @@ def classify(errors: str, log_tail: str = "") -> str:
 
 
 def error_lines(path: Path) -> list[str]:
-    """The ``Error (file:line): ...`` and ``Warn (file:line): ...`` lines of a CRIU log, the last :data:`ERROR_LINES_KEPT` of them, each
-    at most ``_ERROR_LINE_MAX`` characters (at most ``_LOG_SCAN_LIMIT`` bytes of the log are read)."""
+    """The ``Error (file:line): ...`` and ``Warn (file:line): ...`` lines of a CRIU log, the last
+    :data:`ERROR_LINES_KEPT` of them, each at most ``_ERROR_LINE_MAX`` characters (at most
+    ``_LOG_SCAN_LIMIT`` bytes of the log are read)."""
     try:
         with open(path, "rb") as f:
             data = f.read(_LOG_SCAN_LIMIT)
