@@ -34,6 +34,7 @@ from dynsnap.testenv.process import Supervised
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 STUB_SRC = ROOT / "tests" / "native" / "stub_libcuda" / "stub_libcuda.c"
+STUB_SRCS = [STUB_SRC, STUB_SRC.parent / "stub_process.c"]  # the checkpoint API; a process's own calls
 NVML_SRC = ROOT / "tests" / "native" / "stub_nvml" / "stub_nvml.c"
 AGENT_NS = "dynsnap-system"
 AGENT_SA = "dynsnap-agent"
@@ -128,7 +129,7 @@ def build_stub_driver(out: Path) -> StubDriver:
     (out / "state").mkdir(parents=True, exist_ok=True)
     inc = _cuda_include()
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", f"-I{inc}", "-o",
-                    str(out / "lib" / "libcuda.so.1"), str(STUB_SRC)], check=True)
+                    str(out / "lib" / "libcuda.so.1"), *map(str, STUB_SRCS)], check=True)
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{STUB_SRC.parent}", "-o",
                     str(out / "lib" / "libnvidia-ml.so.1"), str(NVML_SRC)], check=True)
     d = StubDriver(out)
