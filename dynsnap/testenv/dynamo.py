@@ -1,4 +1,4 @@
-"""Dynamo graphs on the local environment: DGDs for the frontend and mocker workers,
+"""Dynamo graphs on the local environment: DGDs for the frontend and mocker (or stand-in engine) workers,
 deployed through the stub operator into pod sandboxes, and a client for the frontend
 that sends plain and pinned chat completions and reports which worker answered.
 """
@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ from dynsnap.testenv import stub_operator
 from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster, RunningPod, wait_for
 
 MODEL_NAME = "tiny"
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def dynamo_python() -> str:
@@ -73,7 +75,32 @@ def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | 
     (each pod its own), probes on the entrypoint, the dynsnap.io/serving readiness gate.
     ``speedup_ratio`` divides the mocker's simulated engine time: 100 answers at once; below 1 a
     request of a few thousand tokens stays in flight for tens of seconds."""
-    command = [dynamo_python(), "-m", "dynamo.mocker"]
+    args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--disaggregation-mode", mode,
+            "--speedup-ratio", f"{speedup_ratio:g}"]
+    return _worker_component(name, [dynamo_python(), "-m", "dynamo.mocker"], args, replicas=replicas, sub=sub,
+                             control_dir=control_dir, extra_pod_spec=extra_pod_spec, dynsnap=dynsnap, env=env)
+
+
+def engine_component(name: str, *, replicas: int, mode: str = "agg", sub: str | None = None,
+                     dynsnap: bool = False, env: dict[str, str] | None = None, gib: float = 1.0,
+                     kv_gib: float = 2.0, engine_args: list[str] | None = None,
+                     extra_pod_spec: Obj | None = None) -> Obj:
+    """Workers of the stand-in GPU engine (``stub_engine``: stands in for vLLM) where the mocker would
+    be, the same model on the same endpoints, wired for dynsnap as :func:`mocker_component` is. It
+    makes driver calls and holds ``gib`` + ``kv_gib`` GiB on the device, so it needs a driver:
+    ``dynsnap_parts.engine_worker_component`` gives it the stub's. ``engine_args``: more of its flags
+    (``--no-routes``, ``--fail-route sleep``, ``--fault-file F``, ...)."""
+    args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--mode", mode, "--gib", f"{gib:g}",
+            "--kv-gib", f"{kv_gib:g}", *(engine_args or [])]
+    # The engine is a module of this checkout, run by the Dynamo venv's python.
+    env = {"PYTHONPATH": str(CHECKOUT), **(env or {})}
+    return _worker_component(name, [dynamo_python(), "-m", "dynsnap.testenv.stub_engine"], args, replicas=replicas,
+                             sub=sub, extra_pod_spec=extra_pod_spec, dynsnap=dynsnap, env=env)
+
+
+def _worker_component(name: str, command: list[str], args: list[str], *, replicas: int, sub: str | None,
+                      control_dir: str | None = None, extra_pod_spec: Obj | None = None, dynsnap: bool = False,
+                      env: dict[str, str] | None = None) -> Obj:
     main: Obj = {}
     extra = dict(extra_pod_spec or {})
     if dynsnap:
@@ -86,8 +113,6 @@ def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | 
         main.update(entrypoint_probes())
     if env:
         main["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--disaggregation-mode", mode,
-            "--speedup-ratio", f"{speedup_ratio:g}"]
     comp: Obj = {"name": name, "componentType": "worker", "replicas": replicas,
                  "extraPodSpec": {**extra, "mainContainer": {"command": command, "args": args, **main}}}
     if sub:

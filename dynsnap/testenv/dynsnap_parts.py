@@ -2,8 +2,8 @@
 the local cluster, a service-account token for the agent from the TokenRequest API, the node agent
 started as a process of its own (one per fake node, as a DaemonSet would), the stub CUDA driver the
 agent's dynsnap-cuda loads (``stub_libcuda`` and ``stub_nvml``: no GPU here; they stand in for the
-NVIDIA driver), and mocker workers wired for dynsnap that map it (so the agent finds GPU processes
-the way it does on a node: by what they map).
+NVIDIA driver), and mocker or stand-in engine (stub_engine) workers wired for dynsnap that map it
+(so the agent finds GPU processes the way it does on a node: by what they map).
 
 Layer: ``dynsnap.testenv``. The agent runs as ``python -m dynsnap agent``: nothing here imports it.
 Runs from a checkout (the stub driver's C sources are under tests/native/).
@@ -34,6 +34,7 @@ from dynsnap.testenv.process import Supervised
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 STUB_SRC = ROOT / "tests" / "native" / "stub_libcuda" / "stub_libcuda.c"
+STUB_SRCS = [STUB_SRC, STUB_SRC.parent / "stub_process.c"]  # the checkpoint API; a process's own calls
 NVML_SRC = ROOT / "tests" / "native" / "stub_nvml" / "stub_nvml.c"
 AGENT_NS = "dynsnap-system"
 AGENT_SA = "dynsnap-agent"
@@ -105,9 +106,43 @@ class StubDriver:
         f = self.state_dir / "log"
         return f.read_text().splitlines() if f.exists() else []
 
+    def key_of(self, host_pid: int) -> int:
+        """The key the stub keeps a process's state and memory under (``nskey``): its pid namespace's
+        inode and its pid there."""
+        nspid = next(int(line.split()[-1]) for line in Path(f"/proc/{host_pid}/status").read_text().splitlines()
+                     if line.startswith("NSpid:"))
+        return (os.stat(f"/proc/{host_pid}/ns/pid").st_ino << NSKEY_SHIFT) | nspid
+
+    def holds(self) -> list[str]:
+        """The stub's holds log: ``hold <call> key=<key> state=<state>`` when a process's own call
+        starts waiting for its locked or checkpointed state, ``release <call> key=... ms=... rc=...``
+        when it returns (stub_libcuda.c, "The hold")."""
+        f = self.state_dir / "holds"
+        return f.read_text().splitlines() if f.exists() else []
+
+    def allocations(self) -> dict[int, tuple[int, int, bool]]:
+        """Device memory processes allocated themselves: key -> (device, bytes, on the device)
+        (a checkpointed process's is not)."""
+        f = self.state_dir / "alloc"
+        if not f.exists():
+            return {}
+        out = {}
+        for line in f.read_text().splitlines():
+            key, dev, n, resident = (int(v) for v in line.split())
+            out[key] = (dev, n, bool(resident))
+        return out
+
+    def free_bytes(self, device: int = 0) -> int:
+        """The fake device's free memory (80 GiB of 80 until anything was allocated)."""
+        f = self.state_dir / "devices"
+        if not f.exists():
+            return 80 << 30
+        return int(f.read_text().splitlines()[device].split()[1])
+
     def forget_pid_namespace(self, inode: int) -> int:
         """Drop the state of every process of the pid namespace ``inode`` (``nskey`` keys), as the
-        stub's lock serialises it; returns how many. Call it when that namespace's pod is gone: its
+        stub's lock serialises it, and give back the device memory they held (the real driver frees
+        a dead process's); returns how many states. Call it when that namespace's pod is gone: its
         processes can never be restored, and the real driver's state (inside the process) went with
         them. Kept, it would be inherited by a later pod whose pid namespace gets the same inode number
         (the kernel reuses them) and whose GPU process has the same pid in it, which would then look
@@ -115,6 +150,7 @@ class StubDriver:
         f = self.state_dir / "state"
         with open(self.state_dir / "lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            self._forget_allocations(inode)
             if not f.exists():
                 return 0
             lines = [line for line in f.read_text().splitlines() if line.strip()]
@@ -122,13 +158,33 @@ class StubDriver:
             f.write_text("".join(f"{line}\n" for line in kept))
             return len(lines) - len(kept)
 
+    def _forget_allocations(self, inode: int) -> None:
+        """Under the lock: the namespace's allocations leave the alloc file, and what was on a device
+        (not checkpointed) goes back to its free bytes."""
+        f, devf = self.state_dir / "alloc", self.state_dir / "devices"
+        if not f.exists() or not devf.exists():
+            return
+        lines = [line.split() for line in f.read_text().splitlines() if line.strip()]
+        gone = [x for x in lines if int(x[0]) >> NSKEY_SHIFT == inode]
+        if not gone:
+            return
+        devs = [line.split() for line in devf.read_text().splitlines() if line.strip()]
+        for _, dev, n, resident in gone:
+            if resident == "1" and 0 <= int(dev) < len(devs):
+                devs[int(dev)][1] = str(int(devs[int(dev)][1]) + int(n))
+        # stage then rename, as the stub writes them: its readers take no lock
+        for path, rows in ((devf, devs), (f, [x for x in lines if x not in gone])):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(" ".join(x) + "\n" for x in rows))
+            os.replace(tmp, path)
+
 
 def build_stub_driver(out: Path) -> StubDriver:
     (out / "lib").mkdir(parents=True, exist_ok=True)
     (out / "state").mkdir(parents=True, exist_ok=True)
     inc = _cuda_include()
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", f"-I{inc}", "-o",
-                    str(out / "lib" / "libcuda.so.1"), str(STUB_SRC)], check=True)
+                    str(out / "lib" / "libcuda.so.1"), *map(str, STUB_SRCS)], check=True)
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{STUB_SRC.parent}", "-o",
                     str(out / "lib" / "libnvidia-ml.so.1"), str(NVML_SRC)], check=True)
     d = StubDriver(out)
@@ -278,6 +334,18 @@ def worker_component(name: str, *, replicas: int, driver: StubDriver, env: dict[
     """Mocker workers wired for dynsnap, each mapping the stub CUDA driver (a GPU process to the agent)."""
     return D.mocker_component(name, replicas=replicas, dynsnap=True,
                               env={"LD_PRELOAD": str(driver.libcuda), **(env or {})})
+
+
+def engine_worker_component(name: str, *, replicas: int, driver: StubDriver, mode: str = "agg",
+                            sub: str | None = None, gib: float = 1.0, kv_gib: float = 2.0,
+                            engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> Obj:
+    """Workers of the stand-in GPU engine (stub_engine) wired for dynsnap, on the stub CUDA driver: it
+    maps it (a GPU process to the agent), calls it per token (held while the stub holds the process
+    locked or checkpointed) and holds ``gib`` + ``kv_gib`` GiB of its device memory."""
+    stub = {"LD_PRELOAD": str(driver.libcuda), "DYNSNAP_LIBCUDA": str(driver.libcuda),
+            "DYNSNAP_STUB_DIR": str(driver.state_dir)}
+    return D.engine_component(name, replicas=replicas, mode=mode, sub=sub, dynsnap=True, gib=gib, kv_gib=kv_gib,
+                              engine_args=engine_args, env={**stub, **(env or {})})
 
 
 async def deploy_serving(cluster: LocalCluster, body: Obj) -> D.Graph:

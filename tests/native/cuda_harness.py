@@ -25,6 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("DYNSNAP_NATIVE_BIN", ROOT / "native" / "build"))
 STUB_SRC = Path(__file__).resolve().parent / "stub_libcuda" / "stub_libcuda.c"
+# The library is two translation units: the checkpoint API and what a process calls on its own behalf.
+STUB_SRCS = [STUB_SRC, STUB_SRC.parent / "stub_process.c"]
 NVML_SRC = Path(__file__).resolve().parent / "stub_nvml" / "stub_nvml.c"
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3
@@ -66,7 +68,7 @@ def build_cli() -> Path:
 def build_stub(out: Path) -> Path:
     lib = out / "libcuda_stub.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", f"-I{cuda_include()}",
-                    "-o", str(lib), str(STUB_SRC)], check=True)
+                    "-o", str(lib), *map(str, STUB_SRCS)], check=True)
     return lib
 
 

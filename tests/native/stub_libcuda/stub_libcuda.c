@@ -1,5 +1,7 @@
 /* stub_libcuda: stands in for the NVIDIA driver's libcuda checkpoint API in
- * dynsnap-cuda's tests (there is no GPU where they run).
+ * dynsnap-cuda's tests (there is no GPU where they run), and for the driver an
+ * engine calls from inside its own process (stub_process.c, built into the
+ * same library; the hold and device memory, below).
  *
  * It follows the driver's per-process state machine
  * (running -lock-> locked -checkpoint-> checkpointed -restore-> locked
@@ -40,6 +42,45 @@
  *               needinit all * 1                 the checkpoint API answers
  *                                                CUDA_ERROR_NOT_INITIALIZED
  *                                                until cuInit in this process
+ *               holdmax 0 <ms>                   the hold's bound, below
+ *               fail <call> <pid|*> <code>       also for the in-process
+ *                                                calls of stub_process.c
+ *                                                (pid: the caller's getpid())
+ *   holds     the hold, below: "hold <call> key=<key> state=<state>" when a
+ *             call starts waiting, "release <call> key=<key> state=<state>
+ *             ms=<waited> rc=<code>" when it returns
+ *   alloc     "<key> <device> <bytes> <resident 0|1>" per process holding
+ *             device memory it allocated (cuMemAlloc_v2)
+ *
+ * The hold. The driver calls a process makes on its own behalf (what an engine
+ * calls: cuInit, cuDeviceGetCount, cuDeviceGet, cuDeviceGetUuid,
+ * cuDevicePrimaryCtxRetain/Release, cuCtxSetCurrent, cuCtxSynchronize,
+ * cuMemGetInfo, cuMemAlloc, cuMemFree, cuMemcpyHtoD, cuMemcpyDtoH) look up the
+ * CALLING process's own state, keyed as the checkpoint API keys it (its pid as
+ * the /proc it sees first names it, or with nskey its pid namespace and its
+ * pid there). While that state is locked (1) or checkpointed (2) the call
+ * waits, polling the state file every 10 ms, and once the process runs again
+ * (0) it does what it does and returns its normal result, as the H200's driver
+ * did (DESIGN.md section 2: a call made after save got no answer until the
+ * resume, then the right result). Bounded: past "holdmax" ms (default 600000,
+ * 10 minutes) it returns CUDA_ERROR_UNKNOWN having done nothing. A failed (3)
+ * process is not held. The checkpoint API (cuCheckpointProcess*, made by
+ * dynsnap-cuda on another process) and cuGetErrorName are never held: a
+ * process is not held for the state of the pid it acts on, only its own.
+ *
+ * Device memory (stub_process.c). cuMemAlloc_v2 needs a current context
+ * (cuCtxSetCurrent) and takes its bytes from that device's free memory in
+ * devices (CUDA_ERROR_OUT_OF_MEMORY past it); the "device" memory is an
+ * anonymous mapping in the process, so pages never written cost nothing, and
+ * cuMemcpyHtoD_v2/DtoH_v2 copy into and out of it (a range outside one live
+ * allocation: CUDA_ERROR_INVALID_VALUE). cuMemFree_v2 gives the bytes back. A
+ * checkpoint of the process frees its allocated bytes on the device, as it
+ * frees a mem directive's, and a restore takes them again (on the target of
+ * its device's pair when remapped); the contents stay where they are. A
+ * process that exits gives back what is on the device; one killed outright
+ * cannot (StubDriver.forget_pid_namespace gives a pod's back). One device per
+ * process: an allocation on a second one is CUDA_ERROR_NOT_SUPPORTED. These
+ * calls are not logged (an engine makes them per token).
  *
  * The host copy. At a checkpoint the real driver copies the process's GPU
  * memory into an anonymous mapping it makes INSIDE that process; driver 580
@@ -77,7 +118,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "stub_files.h"
+#include "stub_process.h"
 
 #define MAXP 1024
 #define COPY_SIG (SIGRTMIN + 8)
@@ -109,7 +150,7 @@ static long long mem_of(int pid, int *devp)
  * CRIU dump and restore (same namespace, same in-namespace pid, a new host pid);
  * keyed this way, the stub's state does too. A pid with no /proc entry (the CLI
  * tests' made-up pids) keeps its own number. */
-static long long state_key(int pid)
+long long stub_state_key(int pid)
 {
 	char p[64], line[256];
 	struct stat st;
@@ -139,10 +180,10 @@ static long long state_key(int pid)
 	return (long long)(st.st_ino << 22) | nspid; /* pid_max is at most 2^22 */
 }
 
-static int read_state(int pid)
+int stub_state_of(long long key)
 {
 	char p[4096];
-	long long q, key = state_key(pid);
+	long long q;
 	int s, st = CU_PROCESS_STATE_RUNNING;
 	FILE *f;
 
@@ -157,10 +198,15 @@ static int read_state(int pid)
 	return st;
 }
 
+static int read_state(int pid)
+{
+	return stub_state_of(stub_state_key(pid));
+}
+
 static void write_state(int pid, int st)
 {
 	char p[4096], tmp[4200];
-	long long keys[MAXP], q, key = state_key(pid);
+	long long keys[MAXP], q, key = stub_state_key(pid);
 	int sts[MAXP], n = 0, s, found = 0;
 	FILE *f;
 
@@ -191,7 +237,7 @@ static void write_state(int pid, int st)
 	rename(tmp, p);
 }
 
-static void write_devs(const struct devs *d)
+void stub_write_devs(const struct devs *d)
 {
 	char p[4096], tmp[4200];
 	FILE *f;
@@ -210,23 +256,25 @@ static void write_devs(const struct devs *d)
 	rename(tmp, p);
 }
 
-/* Moves a pid's recorded GPU memory: sign -1 frees it (checkpoint), +1
- * takes it back (restore) on dev (remapped target), or its own device. */
-static void move_mem(int pid, int sign, int target)
+/* Moves a pid's GPU memory, what a mem directive records and what it
+ * allocated itself (cuMemAlloc_v2): sign -1 frees it (checkpoint), +1 takes it
+ * back (restore) on its device, or where remap (old device index -> new, -1:
+ * none; NULL without a map) sends it. */
+static void move_mem(int pid, int sign, const int *remap)
 {
 	struct devs d;
-	int dev;
+	int dev, moved;
 	long long b = mem_of(pid, &dev);
 
-	if (!b)
-		return;
 	read_devs(&d);
-	if (target >= 0)
-		dev = target;
-	if (dev < 0 || dev >= d.n)
-		return;
-	d.free_b[dev] -= sign * b;
-	write_devs(&d);
+	if (remap && dev >= 0 && dev < d.n && remap[dev] >= 0)
+		dev = remap[dev];
+	moved = b && dev >= 0 && dev < d.n;
+	if (moved)
+		d.free_b[dev] -= sign * b;
+	moved |= stub_move_allocs(stub_state_key(pid), sign, remap, &d);
+	if (moved)
+		stub_write_devs(&d);
 }
 
 static void hang(const char *fn, int pid, unsigned int timeout_ms, int *timed_out)
@@ -405,7 +453,7 @@ static int uninitialized(void)
 }
 
 static CUresult transition(const char *fn, int pid, int from, int to, unsigned int timeout_ms,
-			   const char *extra, int mem_sign, int mem_target, int copy_op)
+			   const char *extra, int mem_sign, const int *remap, int copy_op)
 {
 	int timed_out, fd;
 	long long code;
@@ -434,7 +482,7 @@ static CUresult transition(const char *fn, int pid, int from, int to, unsigned i
 	if (rc == CUDA_SUCCESS) {
 		write_state(pid, to);
 		if (mem_sign)
-			move_mem(pid, mem_sign, mem_target);
+			move_mem(pid, mem_sign, remap);
 	}
 	if (timeout_ms)
 		logline("%s pid=%d timeout=%u%s rc=%d", fn, pid, timeout_ms, extra, (int)rc);
@@ -447,21 +495,23 @@ static CUresult transition(const char *fn, int pid, int from, int to, unsigned i
 CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 {
 	return transition("cuCheckpointProcessLock", pid, CU_PROCESS_STATE_RUNNING,
-			  CU_PROCESS_STATE_LOCKED, args ? args->timeoutMs : 0, "", 0, -1, -1);
+			  CU_PROCESS_STATE_LOCKED, args ? args->timeoutMs : 0, "", 0, NULL, -1);
 }
 
 CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
 {
 	(void)args;
 	return transition("cuCheckpointProcessCheckpoint", pid, CU_PROCESS_STATE_LOCKED,
-			  CU_PROCESS_STATE_CHECKPOINTED, 0, "", -1, -1, 0);
+			  CU_PROCESS_STATE_CHECKPOINTED, 0, "", -1, NULL, 0);
 }
 
 CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 {
 	char extra[2048] = "";
-	int target = -1;
+	int remap[MAXD], mapped = 0;
 
+	for (int k = 0; k < MAXD; k++)
+		remap[k] = -1;
 	if (args && args->gpuPairsCount) {
 		struct devs d;
 		size_t off;
@@ -491,24 +541,22 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 				return CUDA_ERROR_INVALID_VALUE;
 			}
 			/* The pid's memory moves to the target of its device's pair. */
-			{
-				int memdev;
-
-				mem_of(pid, &memdev);
-				if (memdev >= 0 && memdev < d.n && !memcmp(d.uuid[memdev], p->oldUuid.bytes, 16))
-					target = found;
-			}
+			for (int k = 0; k < d.n; k++)
+				if (!memcmp(d.uuid[k], p->oldUuid.bytes, 16)) {
+					remap[k] = found;
+					mapped = 1;
+				}
 		}
 	}
 	return transition("cuCheckpointProcessRestore", pid, CU_PROCESS_STATE_CHECKPOINTED,
-			  CU_PROCESS_STATE_LOCKED, 0, extra, +1, target, 1);
+			  CU_PROCESS_STATE_LOCKED, 0, extra, +1, mapped ? remap : NULL, 1);
 }
 
 CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 {
 	(void)args;
 	return transition("cuCheckpointProcessUnlock", pid, CU_PROCESS_STATE_LOCKED,
-			  CU_PROCESS_STATE_RUNNING, 0, "", 0, -1, -1);
+			  CU_PROCESS_STATE_RUNNING, 0, "", 0, NULL, -1);
 }
 
 CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
@@ -545,11 +593,27 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 
 /* ---- device enumeration and memory ---- */
 
+/* A call a process makes on its own behalf waits while that process is locked
+ * or checkpointed (stub_process.c), as the real driver's do. */
+#define HOLD(fn)                                            \
+	do {                                                \
+		CUresult hold_rc = stub_hold(fn);           \
+		if (hold_rc != CUDA_SUCCESS)                \
+			return hold_rc;                     \
+	} while (0)
+
+int stub_current_device(void)
+{
+	return cur_dev;
+}
+
 CUresult cuInit(unsigned int flags)
 {
-	long long code = control("fail", "cuInit", 0);
-	CUresult rc = code >= 0 ? (CUresult)code : CUDA_SUCCESS;
+	CUresult rc = stub_hold("cuInit");
+	long long code = rc == CUDA_SUCCESS ? control("fail", "cuInit", 0) : -1;
 
+	if (code >= 0)
+		rc = (CUresult)code;
 	(void)flags;
 	inited = rc == CUDA_SUCCESS;
 	logline_to("inits", "cuInit rc=%d", (int)rc);
@@ -559,8 +623,10 @@ CUresult cuInit(unsigned int flags)
 CUresult cuDeviceGetCount(int *count)
 {
 	struct devs d;
-	long long code = control("fail", "cuDeviceGetCount", 0);
+	long long code;
 
+	HOLD("cuDeviceGetCount");
+	code = control("fail", "cuDeviceGetCount", 0);
 	if (code >= 0)
 		return (CUresult)code;
 	read_devs(&d);
@@ -572,6 +638,7 @@ CUresult cuDeviceGet(CUdevice *dev, int ordinal)
 {
 	struct devs d;
 
+	HOLD("cuDeviceGet");
 	read_devs(&d);
 	if (ordinal < 0 || ordinal >= d.n)
 		return CUDA_ERROR_INVALID_DEVICE;
@@ -583,6 +650,7 @@ CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 {
 	struct devs d;
 
+	HOLD("cuDeviceGetUuid");
 	read_devs(&d);
 	if (dev < 0 || dev >= d.n)
 		return CUDA_ERROR_INVALID_DEVICE;
@@ -592,9 +660,12 @@ CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
 {
-	long long code = control("fail", "cuDevicePrimaryCtxRetain", dev);
-	CUresult rc = code >= 0 ? (CUresult)code : CUDA_SUCCESS;
+	long long code;
+	CUresult rc;
 
+	HOLD("cuDevicePrimaryCtxRetain");
+	code = control("fail", "cuDevicePrimaryCtxRetain", dev);
+	rc = code >= 0 ? (CUresult)code : CUDA_SUCCESS;
 	if (rc == CUDA_SUCCESS)
 		*ctx = (CUcontext)(uintptr_t)(dev + 1);
 	logline("cuDevicePrimaryCtxRetain dev=%d rc=%d", dev, (int)rc);
@@ -603,12 +674,14 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
 
 CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 {
+	HOLD("cuDevicePrimaryCtxRelease_v2");
 	logline("cuDevicePrimaryCtxRelease dev=%d rc=0", dev);
 	return CUDA_SUCCESS;
 }
 
 CUresult cuCtxSetCurrent(CUcontext ctx)
 {
+	HOLD("cuCtxSetCurrent");
 	cur_dev = ctx ? (int)(uintptr_t)ctx - 1 : -1;
 	return CUDA_SUCCESS;
 }
@@ -616,10 +689,12 @@ CUresult cuCtxSetCurrent(CUcontext ctx)
 CUresult cuMemGetInfo(size_t *free_b, size_t *total_b)
 {
 	struct devs d;
-	long long code = control("fail", "cuMemGetInfo", 0);
+	long long code;
 	CUresult rc = CUDA_SUCCESS;
 	int fd;
 
+	HOLD("cuMemGetInfo_v2");
+	code = control("fail", "cuMemGetInfo", 0);
 	fd = lock_all();
 	read_devs(&d);
 	unlock_all(fd);
@@ -658,6 +733,15 @@ CUresult cuGetErrorName(CUresult error, const char **str)
 		break;
 	case CUDA_ERROR_OUT_OF_MEMORY:
 		*str = "CUDA_ERROR_OUT_OF_MEMORY";
+		break;
+	case CUDA_ERROR_INVALID_CONTEXT:
+		*str = "CUDA_ERROR_INVALID_CONTEXT";
+		break;
+	case CUDA_ERROR_NOT_SUPPORTED:
+		*str = "CUDA_ERROR_NOT_SUPPORTED";
+		break;
+	case CUDA_ERROR_UNKNOWN:
+		*str = "CUDA_ERROR_UNKNOWN";
 		break;
 	default:
 		*str = "CUDA_ERROR_UNKNOWN";
