@@ -6,7 +6,8 @@ Layer: ``dynsnap.agent``. A reconcile of ``namespace/name``:
 1. reads the WorkerSnapshot and its pod from the informers' stores;
 2. refuses (condition ``Accepted=False`` with a reason, nothing touched) a pod that is missing,
    has another UID than the spec, runs on another node, did not opt in (no ``dynsnap.io/serving``
-   readiness gate), or does not run under dynsnap-entrypoint;
+   readiness gate), does not run under dynsnap-entrypoint, or whose container shows the agent an
+   unsafe path or an unusable control file (dynsnap/agent/container.py, the trust boundary);
 3. observes the worker on the node (executor), plans one step towards the wanted state, runs it;
 4. writes status (server-side apply under its own field manager): conditions, observed state,
    the capture or wake record with this step's duration, the last error; emits an Event; once a
@@ -34,6 +35,7 @@ from pydantic import ValidationError
 
 from dynsnap.agent import idle as I
 from dynsnap.agent import worker as W
+from dynsnap.agent.container import ContainerRefused
 from dynsnap.agent.executor import Executor, Observation, StepFailure, StepResult, Subject
 from dynsnap.agent.images import new_capture_id
 from dynsnap.agent.plan import CAPTURE_STEPS, WAKE_STEPS, Step
@@ -228,6 +230,9 @@ class NodeAgent:
             return 5.0  # the pod's processes may not be up yet
         except W.NotUnderEntrypoint as e:
             await self._write(ws, self._refused(ws, Verdict(False, Reason.NOT_UNDER_ENTRYPOINT, str(e))))
+            return None
+        except ContainerRefused as e:  # an unsafe path or an unusable control file inside the container
+            await self._write(ws, self._refused(ws, Verdict(False, e.reason, str(e))))
             return None
         want, backoff_left = self._effective(ws)
         tier = self._tier(ws, obs)

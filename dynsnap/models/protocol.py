@@ -159,6 +159,7 @@ class Reason(StrEnum):
     NOT_OPTED_IN = "NotOptedIn"
     NOT_UNDER_ENTRYPOINT = "NotUnderEntrypoint"
     ENTRYPOINT_UNREADABLE = "EntrypointUnreadable"
+    UNSAFE_CONTAINER_PATH = "UnsafeContainerPath"
     # Progressing
     CAPTURING = "Capturing"
     WAKING = "Waking"
