@@ -162,7 +162,7 @@ def _ep_state(path: Path) -> str:
 @pytest.mark.parametrize(("component", "says"), [
     ("symlinked", "/run/dynsnap/ctl is a symlink"),
     ("dotdot", "it has a '..' component"),
-])
+], ids=["symlinked", "dotdot"])
 async def test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched(
         cluster: LocalCluster, env: Env, component: str, says: str) -> None:
     pod, node_dir = env.pod(component), env.node_dirs[component]
@@ -240,7 +240,7 @@ def _tampered(case: str, genuine: dict[str, object], node_file: Path) -> bytes |
     ("malformed", "EntrypointUnreadable", "not JSON"),
     ("wrong-types", "EntrypointUnreadable", "request_seq: Input should be a valid integer"),
     ("symlink", "UnsafeContainerPath", "/run/dynsnap/entrypoint.json' is a symlink"),
-])
+], ids=["oversized", "malformed", "wrong-types", "symlink"])
 async def test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched(
         cluster: LocalCluster, env: Env, case: str, reason: str, says: str) -> None:
     pod = env.pod("tamper")

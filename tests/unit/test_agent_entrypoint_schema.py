@@ -39,7 +39,7 @@ def test_the_entrypoints_file_reads_as_the_mapping_it_always_was(tmp_path: Path)
     assert info == SAMPLE  # validated, and only the fields this agent knows
 
 
-@pytest.mark.parametrize(("case", "content", "says"), [
+UNUSABLE = [
     ("oversized", json.dumps({**SAMPLE, "pad": "x" * 70_000}).encode(), "is larger than 65536 bytes"),
     ("malformed", b'{"format": 1, "state": "act', "not JSON"),
     ("not-an-object", b"[1, 2]", "not a JSON object"),
@@ -53,7 +53,10 @@ def test_the_entrypoints_file_reads_as_the_mapping_it_always_was(tmp_path: Path)
      "started: Field required"),
     ("nan", json.dumps(SAMPLE).replace("1795946909.569", "NaN").encode(), "not JSON"),
     ("long-error", json.dumps({**SAMPLE, "request_error": "e" * 600}).encode(), "request_error: String should"),
-])
+]
+
+
+@pytest.mark.parametrize(("case", "content", "says"), UNUSABLE, ids=[c[0] for c in UNUSABLE])
 def test_an_unusable_control_file_is_a_named_refusal(tmp_path: Path, case: str, content: bytes, says: str) -> None:
     with pytest.raises(EntrypointUnreadable, match=says) as caught:
         _control(tmp_path, content).read()
