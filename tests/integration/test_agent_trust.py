@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
         await fe.close()
         await agent.stop()
         await D.teardown(cluster, g)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 async def _pinned(env: Env, component: str) -> None:
