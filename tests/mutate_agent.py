@@ -30,6 +30,12 @@ CRIU = "dynsnap/agent/criu.py"
 ATTEMPTS = "dynsnap/agent/attempts.py"
 SERVING_GATE = "dynsnap/agent/serving.py"
 STATUS = "dynsnap/agent/status.py"
+CONTAINER = "dynsnap/agent/container.py"
+HELPERS = "dynsnap/agent/helpers.py"
+CONTROL = "dynsnap/agent/entrypoint_control.py"
+WORKER = "dynsnap/agent/worker.py"
+WORKERENV = "dynsnap/models/workerenv.py"
+COMMAND = "dynsnap/runtime/command.py"
 
 FAULTS = "tests/integration/test_agent_faults.py::"
 REFUSALS = "tests/integration/test_agent_refusals.py::"
@@ -52,6 +58,15 @@ PERMANENT = FAULTS + "test_a_permanent_refusal_is_not_retried_until_the_spec_cha
 CRIU_ERRORS = "tests/native/test_criu_errors.py"
 UPGRADE = "tests/integration/test_agent_upgrade.py"
 STATUS_UNIT = "tests/unit/test_agent_status.py"
+# issue 18: the trust boundary with a container, and the helper registry
+U_CONTAINER = "tests/unit/test_agent_container.py::"
+U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
+U_HELPERS = "tests/unit/test_agent_helpers.py::"
+TRUST = "tests/integration/test_agent_trust.py::"
+NODE_DIR = TRUST + "test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched"
+TAMPERED = TRUST + "test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched"
+FORGED = TRUST + "test_a_forged_helper_marker_changes_nothing"
+STALE_RECORD = U_HELPERS + "test_a_record_whose_process_is_another_is_stale_and_nothing_is_signalled"
 
 MUTATIONS = (
     mutation(
@@ -169,6 +184,106 @@ MUTATIONS = (
         "        info[\"pagesRead\"] = vars(res.pages_read) if res.pages_read else None\n",
         "        info[\"pagesRead\"] = None\n",
         tests=["tests/native/test_agent_exec.py::test_a_snapshot_wake_reads_the_pages_back_with_several_threads"]),
+    # -- issue 18: paths inside a container --------------------------------------------------------
+    mutation(
+        "resolve-follows-symlinks", "a container path is resolved through its symlinks (inside the root)", CONTAINER,
+        "        resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | (0 if symlinks else RESOLVE_NO_SYMLINKS)\n",
+        "        resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS\n",
+        tests=[U_CONTAINER + "test_a_symlinked_directory_to_a_host_directory_is_refused_and_named",
+               NODE_DIR + "[symlinked]"]),
+    mutation(
+        "walk-follows-symlinks", "without openat2, the component walk takes a symlink for a directory entry",
+        CONTAINER,
+        "            if stat.S_ISLNK(mode):\n",
+        "            if False:\n",
+        tests=[U_CONTAINER + "test_a_symlinked_directory_to_a_host_directory_is_refused_and_named[walk]",
+               U_CONTAINER + "test_a_relative_symlink_and_a_symlinked_file_are_refused[walk]"]),
+    mutation(
+        "dotdot-allowed", "a container path with a '..' component is resolved", CONTAINER,
+        "    if \"..\" in parts:\n",
+        "    if False:\n",
+        tests=[U_CONTAINER + "test_paths_the_agent_does_not_resolve_are_refused_with_the_rule_they_break",
+               NODE_DIR + "[dotdot]"]),
+    mutation(
+        "temp-not-exclusive", "the state request's temp file is opened without O_EXCL | O_NOFOLLOW", CONTAINER,
+        "os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK",
+        "os.O_CREAT | os.O_NONBLOCK",
+        tests=[U_CONTAINER + "test_a_temp_name_planted_in_advance_is_never_opened"]),
+    mutation(
+        "temp-name-predictable", "the state request's temp file is named after the agent's pid", CONTAINER,
+        "        tmp = f\".{final}.{secrets.token_hex(16)}\"\n",
+        "        tmp = f\".{final}.{os.getpid()}\"\n",
+        tests=[U_CONTAINER + "test_replace_writes_through_a_fresh_temp_file_and_leaves_nothing_else",
+               TRUST + "test_a_symlink_planted_at_the_agents_former_temp_name_is_never_followed"]),
+    mutation(
+        "control-file-unbounded", "entrypoint.json is read whatever its size", CONTROL,
+        "            raw = d.read(P.ENTRYPOINT_CONTROL_FILE, limit=CONTROL_FILE_BOUND)\n",
+        "            raw = d.read(P.ENTRYPOINT_CONTROL_FILE, limit=1 << 40)\n",
+        tests=[U_SCHEMA + "test_an_unusable_control_file_is_a_named_refusal[oversized]",
+               TAMPERED + "[oversized]"]),
+    mutation(
+        "read-bound-unchecked", "a read of a container process's memory goes on past its bound", CONTAINER,
+        "    while got <= limit:\n",
+        "    while True:\n",
+        tests=[U_CONTAINER + "test_the_environment_is_read_with_a_bound_and_only_valid_keys_come_out"]),
+    mutation(
+        "service-port-unbounded", "KUBERNETES_SERVICE_PORT is taken outside 1-65535", WORKERENV,
+        "_Port = Annotated[int, Field(ge=1, le=65535)]\n",
+        "_Port = Annotated[int, Field(ge=0)]\n",
+        tests=[U_CONTAINER + "test_the_environment_is_read_with_a_bound_and_only_valid_keys_come_out"]),
+    mutation(
+        "service-host-not-an-ip", "KUBERNETES_SERVICE_HOST reaches ss -K as the worker wrote it", WORKER,
+        "    if env.service_host is not None and env.service_port is not None:\n"
+        "        out.append((str(env.service_host), env.service_port))\n",
+        "    raw = procfs.environ(pid, proc)\n"
+        "    if raw.get(\"KUBERNETES_SERVICE_HOST\") and env.service_port is not None:\n"
+        "        out.append((raw[\"KUBERNETES_SERVICE_HOST\"], env.service_port))\n",
+        tests=[U_CONTAINER + "test_only_ip_addresses_and_ports_reach_the_connection_reset"]),
+    # -- issue 18: the agent's helpers -------------------------------------------------------------
+    mutation(
+        "helper-start-time-unchecked", "a recorded helper is matched by pid and executable, not its start time",
+        HELPERS,
+        "        if st is None or st.start != rec.get(\"start\") or st.state in (\"Z\", \"X\"):\n",
+        "        if st is None or st.state in (\"Z\", \"X\"):\n",
+        tests=[STALE_RECORD + "[start]"]),
+    mutation(
+        "helper-exe-unchecked", "a recorded helper is matched whatever its process runs", HELPERS,
+        "        return st if _exe(pid, self.proc) == rec.get(\"exe\") else None\n",
+        "        return st\n",
+        tests=[STALE_RECORD + "[exe]"]),
+    mutation(
+        "helper-boot-unchecked", "a record from an earlier boot of the node is matched", HELPERS,
+        "        if not isinstance(pid, int) or rec.get(\"bootId\") != self._boot_id():\n",
+        "        if not isinstance(pid, int):\n",
+        tests=[STALE_RECORD + "[boot]"]),
+    mutation(
+        "helper-kill-unchecked", "a helper is killed by its pid without checking it again through the pidfd",
+        HELPERS,
+        "            if self._matches(rec) is None:  # checked with the process pinned: a reused pid fails here\n",
+        "            if False:\n",
+        tests=[STALE_RECORD + "[start]"]),
+    mutation(
+        "helper-env-marker", "a process carrying DYNSNAP_OP=<pod uid>/... is taken for the agent's helper",
+        HELPERS,
+        "        for path, rec in self._records():\n            st = self._matches(rec)\n",
+        "        marked = [(Path(\"/nonexistent/dynsnap-mutant\"), {\"pid\": p, \"start\": s.start, "
+        "\"exe\": _exe(p, self.proc), \"podUID\": uid, \"op\": \"criu\", \"bootId\": self._boot_id()}) "
+        "for p in procfs.pids(self.proc) if procfs.environ(p, self.proc).get(\"DYNSNAP_OP\", \"\")"
+        ".startswith(f\"{uid}/\") and (s := _stat(p, self.proc)) is not None]\n"
+        "        for path, rec in self._records() + marked:\n            st = self._matches(rec)\n",
+        tests=[U_HELPERS + "test_a_forged_marker_is_no_helper", FORGED]),
+    mutation(
+        "helper-gone-is-an-error", "a helper that exited before its record was written fails its step", HELPERS,
+        "                                                                            else parent):\n"
+        "            return None\n",
+        "                                                                            else parent):\n"
+        "            raise LookupError(f\"helper {pid} ({label}) exited before it could be recorded\")\n",
+        tests=[U_HELPERS + "test_a_helper_gone_before_its_record_or_no_child_of_the_agent_is_not_recorded"]),
+    mutation(
+        "helper-unrecorded-runs-on", "a helper whose record cannot be written runs on", COMMAND,
+        "            reaped = on_spawn(proc.pid)\n",
+        "            with contextlib.suppress(Exception):\n                reaped = on_spawn(proc.pid)\n",
+        tests=[U_HELPERS + "test_a_helper_that_cannot_be_recorded_does_not_run_on"]),
 )
 
 SUITE = Suite(

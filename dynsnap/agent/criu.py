@@ -25,8 +25,8 @@ namespace's PID 1 (dynsnap-entrypoint, a subreaper).
 - CRIU is killed after ``timeout`` seconds: a wedged CRIU never blocks the next attempt. It is
   *not* killed when the agent dies: CRIU killed mid-dump can leave its parasite in a worker and
   its network lock in the pod, while a CRIU left to finish either completes the dump or resumes
-  the tree itself. A restarted agent finds it by the ``DYNSNAP_OP`` marker in its environment
-  (:func:`dynsnap.agent.worker.running_helpers`) and waits for it, within the same bound.
+  the tree itself. A restarted agent finds it in the agent's helper registry (``on_spawn`` records
+  the nsenter that runs it, dynsnap/agent/helpers.py) and waits for it, within the same bound.
 
 Nothing of the agent's needs to exist in the worker's container. CRIU runs in the worker's mount
 namespace, where paths resolve in the worker's file system, so the agent hands it its own files as
@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynsnap.models.ids import HostPid, NsPid
-from dynsnap.runtime.command import CommandError, find_tool, run_command
+from dynsnap.runtime.command import CommandError, SpawnHook, find_tool, run_command
 
 __all__ = ["CriuError", "CriuResult", "NamespaceTarget", "PagesRead", "classify", "criu_dump", "criu_restore",
            "elf_interpreter", "error_lines", "library_dirs", "pages_read"]
@@ -172,7 +172,11 @@ class CriuOptions:
     # cgroup yard on a restore (the entrypoint's control directory). None: the images directory by its
     # agent path, never by descriptor (the yard's mount fails there, "Invalid argument"), so it only
     # serves where the worker shares the node's file system (the test sandboxes); the agent sets it.
+    # CRIU resolves it in the worker's mount namespace, against the container's root: no way out of the
+    # container (dynsnap/agent/container.py says what a worker can do with it).
     workdir: str | None = None
+    # Records the run (the nsenter CRIU runs under) while it lasts: the agent's helper registry.
+    on_spawn: SpawnHook | None = None
 
 
 _CAUSES = (
@@ -377,7 +381,7 @@ async def _run(target: NamespaceTarget, images_dir: Path, build: Callable[[_Laun
         t0 = time.monotonic()
         try:
             res = await run_command([*target.nsenter_argv(), *argv], timeout=timeout, check=False, env=_env(opts),
-                                    pass_fds=files.fds)
+                                    pass_fds=files.fds, on_spawn=opts.on_spawn)
         except CommandError as e:  # timed out: CRIU and nsenter were killed
             raise CriuError(f"criu {what}: no exit within {timeout} s", log_path=log_path, timed_out=True) from e
     finally:

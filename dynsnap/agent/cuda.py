@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynsnap.agent.helpers import HelperRegistry
 from dynsnap.models.ids import HostPid
 from dynsnap.runtime.command import CommandError, run_command
 
@@ -55,8 +56,9 @@ class GpuFree:
 @dataclass
 class CudaHelper:
     """How to run ``dynsnap-cuda``: its path, the environment it gets (driver library, state
-    dir), and the bounds. ``marker`` goes into the helper's environment as ``DYNSNAP_OP`` so a
-    restarted agent can find a helper still running for a worker."""
+    dir), and the bounds. A call given a ``marker`` (``<pod uid>/<operation>``) is recorded under it
+    in ``registry`` while it runs (dynsnap/agent/helpers.py), so a restarted agent finds a helper
+    still at work for a worker; nothing of it goes into the helper's environment."""
 
     binary: str
     env: Mapping[str, str] = field(default_factory=dict)
@@ -65,20 +67,20 @@ class CudaHelper:
     lock_timeout_ms: int = 10_000
     # The whole helper call: a 32 GiB checkpoint took 14.4 s on the H200; 16 GiB restores 3-4 s.
     timeout: float = 300.0
+    registry: HelperRegistry | None = None
 
-    def _env(self, marker: str | None) -> dict[str, str]:
+    def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("LD_LIBRARY_PATH", None)
         env.update(self.env)
-        if marker:
-            env["DYNSNAP_OP"] = marker
         return env
 
     async def _run(self, args: Sequence[str], *, marker: str | None, timeout: float | None = None) -> tuple[
             int, list[dict[str, Any]], str]:
         argv = [self.binary, *args]
         try:
-            res = await run_command(argv, timeout=timeout or self.timeout, check=False, env=self._env(marker))
+            hook = self.registry.spawned(marker) if self.registry is not None and marker else None
+            res = await run_command(argv, timeout=timeout or self.timeout, check=False, env=self._env(), on_spawn=hook)
         except CommandError as e:
             raise CudaError(f"dynsnap-cuda {' '.join(args)}: no exit within {timeout or self.timeout} s; killed",
                             returncode=None) from e
@@ -121,7 +123,7 @@ class CudaHelper:
     async def _run_state(self, pid: HostPid) -> tuple[str, int, str]:
         argv = [self.binary, "--get-state", "--pid", str(pid)]
         try:
-            res = await run_command(argv, timeout=30.0, check=False, env=self._env(None))
+            res = await run_command(argv, timeout=30.0, check=False, env=self._env())
         except CommandError as e:
             raise CudaError(f"dynsnap-cuda --get-state {pid}: no exit within 30 s", returncode=None) from e
         if res.returncode != 0:

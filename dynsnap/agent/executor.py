@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dynsnap.agent import worker as W
+from dynsnap.agent.container import ContainerRefused
 from dynsnap.agent.criu import (
     CriuError,
     CriuOptions,
@@ -36,6 +36,7 @@ from dynsnap.agent.criu import (
 )
 from dynsnap.agent.cuda import CudaError, CudaHelper
 from dynsnap.agent.entrypoint_control import EntrypointError
+from dynsnap.agent.helpers import REGISTRY_DIR, HelperRegistry
 from dynsnap.agent.images import BudgetExceeded, Capture, ImageFormatMismatch, ImageStore, dir_bytes, new_capture_id
 from dynsnap.agent.plan import Facts, Staging, Step, observed, plan
 from dynsnap.agent.settings import AgentSettings
@@ -103,8 +104,10 @@ class Executor:
         self.settings = settings
         self.proc = proc
         env = {"DYNSNAP_CUDA_STATE_DIR": str(settings.state_dir), **settings.cuda_env}
+        # the helpers this agent (or an earlier agent process on this node) started and that still run
+        self.helpers = HelperRegistry(settings.state_dir / REGISTRY_DIR, proc=proc)
         self.cuda = CudaHelper(settings.cuda_helper, env=env, lock_timeout_ms=settings.lock_timeout_ms,
-                               timeout=settings.helper_timeout)
+                               timeout=settings.helper_timeout, registry=self.helpers)
         self.images = ImageStore(settings.images_root, budget_bytes=settings.images_budget_bytes)
 
     def _criu_opts(self, subject: Subject, w: W.WorkerProcs) -> CriuOptions:
@@ -119,11 +122,11 @@ class Executor:
             dirs = [d for d in dirs if not os.path.exists(os.path.join(d, "cuda-checkpoint"))]
         return CriuOptions(binary=self.settings.criu, tcp_established=self.settings.tcp_established,
                            network_lock=self.settings.network_lock or None, path=os.pathsep.join(dirs),
-                           libdir=self.settings.criu_libdir or None, workdir=W.control_dir_of(w.entrypoint, self.proc),
-                           env=self._criu_env(subject))
+                           libdir=self.settings.criu_libdir or None, workdir=w.control_dir,
+                           env=self._criu_env(subject), on_spawn=self.helpers.spawned(f"{subject.uid}/criu"))
 
     def _criu_env(self, subject: Subject) -> dict[str, str]:
-        env = {"DYNSNAP_OP": f"{subject.uid}/criu"}
+        env: dict[str, str] = {}  # nothing that names the helper: the registry knows it (helpers.py)
         if self.settings.criu_read_threads:  # else CRIU's own default (hack/patches/criu/0002)
             env["DYNSNAP_CRIU_READ_THREADS"] = str(self.settings.criu_read_threads)
         return env
@@ -142,7 +145,7 @@ class Executor:
         # A GPU process the driver has no context for (it loaded the library, never initialised
         # it) has nothing to checkpoint; only processes with a state count.
         gpu_states = {p: s for p, s in states.items() if s != "unknown"}
-        helpers = W.running_helpers(subject.uid, self.proc)
+        helpers = self.helpers.running(subject.uid)
         try:
             capture = self.images.latest(subject.uid)
         except ImageFormatMismatch:
@@ -202,6 +205,8 @@ class Executor:
     async def _request(self, obs: Observation, state: EntrypointState) -> dict[str, Any]:
         try:
             return await obs.worker.control.request(state, timeout=self.settings.entrypoint_timeout)
+        except ContainerRefused as e:  # its control directory or file turned unsafe or unreadable meanwhile
+            raise StepFailure(e.reason, str(e)) from e
         except EntrypointError as e:
             raise StepFailure(Reason.ENTRYPOINT_UNRESPONSIVE, str(e)) from e
 
@@ -210,10 +215,9 @@ class Executor:
 
     async def _wait_helper(self, subject: Subject, obs: Observation, **_: Any) -> None:
         bound = max(self.settings.criu_timeout, self.settings.helper_timeout)
-        for h in W.running_helpers(subject.uid, self.proc):
-            if h.age > bound:
-                os.kill(h.pid, signal.SIGKILL)
-                raise StepFailure(Reason.HELPER_TIMEOUT, f"{h.name} (pid {h.pid}, {h.marker}) ran {h.age:.0f} s, past "
+        for h in self.helpers.running(subject.uid):
+            if h.age > bound and self.helpers.kill(h):
+                raise StepFailure(Reason.HELPER_TIMEOUT, f"{h.name} (pid {h.pid}, {h.label}) ran {h.age:.0f} s, past "
                                   f"its {bound:.0f} s bound; killed")
 
     async def _cleanup(self, subject: Subject, obs: Observation, *, info: dict[str, Any], **_: Any) -> None:
@@ -401,9 +405,10 @@ class Executor:
         if host is None:
             return 0
         killed = 0
-        for ip, port in W.apiserver_endpoints(host, self.proc):
+        for ip, port in W.apiserver_endpoints(host, self.proc):  # IP addresses and ports 1-65535 only
+            dst = f"[{ip}]" if ":" in ip else ip  # ss reads a bare IPv6 address as a prefix and fails
             argv = [find_tool("nsenter"), "-t", str(w.entrypoint), "-n", "--", find_tool("ss"), "-K", "-t", "-n",
-                    "dst", ip, "dport", "=", str(port)]
+                    "dst", dst, "dport", "=", str(port)]
             try:
                 res = await run_command(argv, timeout=10.0, check=False)
             except CommandError as e:
@@ -445,7 +450,7 @@ class Executor:
     async def _give_up(self, subject: Subject, obs: Observation, **_: Any) -> None:
         # The tree is gone and nothing can bring it back in place: `active` with no worker makes
         # the entrypoint exit 75, and kubelet starts the container cold. Said loudly, never hidden.
-        with contextlib.suppress(EntrypointError):  # it exits instead of acknowledging: that is the point
+        with contextlib.suppress(EntrypointError, ContainerRefused):  # it exits instead of acknowledging: the point
             await obs.worker.control.request(EntrypointState.ACTIVE, timeout=self.settings.entrypoint_timeout)
         raise StepFailure(Reason.WORKER_LOST, "the worker tree is gone and no capture can restore it in place: "
                           "the container restarts cold")

@@ -7,7 +7,8 @@ and what it reports from the observation one:
 1. read the WorkerSnapshot and its pod from the informers' stores;
 2. admission (``admission.py``): a pod that is missing, has another UID than the spec, runs on another
    node or did not opt in is refused (``Accepted=False``, nothing touched), as is one that does not run
-   under dynsnap-entrypoint (the executor's finding on the node);
+   under dynsnap-entrypoint, or whose container shows the agent an unsafe path or an unusable control
+   file (the executor's findings on the node; ``container.py`` is the trust boundary);
 3. observe the worker on the node and plan one step towards the wanted state (``executor.py``,
    ``plan.py``; the wanted state after a failure from ``attempts.py``), run it;
 4. write status (``status.py``, by server-side apply under the agent's field manager): conditions, the
@@ -37,6 +38,7 @@ from dynsnap.agent import idle as I
 from dynsnap.agent import status as S
 from dynsnap.agent import worker as W
 from dynsnap.agent.admission import Verdict, admit, container_id
+from dynsnap.agent.container import ContainerRefused
 from dynsnap.agent.executor import Executor, Observation, StepFailure, Subject
 from dynsnap.agent.plan import Step
 from dynsnap.agent.report import Reporter, traceparent_of, ws_object
@@ -174,6 +176,9 @@ class NodeAgent:
         except W.NotUnderEntrypoint as e:
             await self._write(ws, S.refused(ws, Verdict(False, Reason.NOT_UNDER_ENTRYPOINT, str(e))))
             return None
+        except ContainerRefused as e:  # an unsafe path or an unusable control file inside the container
+            await self._write(ws, S.refused(ws, Verdict(False, e.reason, str(e))))
+            return None
         want, backoff_left = A.effective(ws, self.settings, utcnow())
         tier = ws.spec.tier  # a wake follows the tier of the capture it wakes from (the spec's, as recorded)
         step = self.executor.next_step(obs, want=want, tier=tier)
@@ -246,7 +251,7 @@ class NodeAgent:
     async def _reobserve(self, subject: Subject) -> Observation | None:
         try:
             return await self.executor.observe(subject)
-        except (W.WorkerNotFound, W.NotUnderEntrypoint):
+        except (W.WorkerNotFound, W.NotUnderEntrypoint, ContainerRefused):
             return None
 
     async def _failed(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, step: Step, f: StepFailure

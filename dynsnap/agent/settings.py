@@ -30,7 +30,10 @@ class AgentSettings(BaseModel):
         "starts. 200 GiB: two 80 GiB-GPU workers fully captured, with room."))] = 200 * 2**30
     state_dir: Annotated[Path, Field(description=(
         "dynsnap-cuda's record of what each checkpoint freed (DYNSNAP_CUDA_STATE_DIR), for the free-memory "
-        "check before a restore. tmpfs is right: it only matters while the node is up."))] = Path("/run/dynsnap-cuda")
+        "check before a restore, and the agent's registry of the helpers it runs (helpers/, mode 0700), by "
+        "which a restarted agent finds a CRIU or dynsnap-cuda an earlier one left running. A node path that "
+        "outlives the agent's pod; tmpfs is right: both only matter while the node is up."
+    ))] = Path("/run/dynsnap-cuda")
     cuda_helper: Annotated[str, Field(description=(
         "The dynsnap-cuda binary (also CRIU's cuda-checkpoint)."))] = "dynsnap-cuda"
     criu: Annotated[str, Field(description=(

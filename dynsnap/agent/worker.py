@@ -5,17 +5,21 @@ directory is reached through ``/proc/<entrypoint>/root`` (no volume for the agen
 tree is every other process of that pid namespace; GPU processes are those that map the CUDA
 driver or hold an NVIDIA device open.
 
-Layer: ``dynsnap.agent``. Everything here only reads ``/proc`` and the control file.
+Layer: ``dynsnap.agent``. Everything here only reads ``/proc`` and the control file. What comes
+from inside the container (the control directory's path, its files, a process's environment, a
+kubeconfig it names) is read through :mod:`dynsnap.agent.container`, the trust boundary.
 
-    WorkerNotFound       no process of the pod runs here (pod elsewhere, or gone)
-    NotUnderEntrypoint   the pod runs here, but not under dynsnap-entrypoint (refused)
+    WorkerNotFound         no process of the pod runs here (pod elsewhere, or gone)
+    NotUnderEntrypoint     the pod runs here, but not under dynsnap-entrypoint (refused)
+    ContainerRefused       (dynsnap.agent.container) the control directory's path or its control
+                           file is unsafe or unusable: refused with the reason it carries
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +27,15 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from dynsnap.agent import container as C
 from dynsnap.agent.entrypoint_control import EntrypointControl, EntrypointError
 from dynsnap.models import protocol as P
 from dynsnap.models.ids import HostPid, NsPid, PodUID
+from dynsnap.models.workerenv import NCCL_SWITCHES
 from dynsnap.runtime import procfs
 from dynsnap.runtime.procfs import PROC, ProcStatus
+
+log = logging.getLogger(__name__)
 
 ENTRYPOINT_EXE = "dynsnap-entrypoint"
 _NVIDIA_DEV = ("/dev/nvidia",)
@@ -41,7 +49,8 @@ _NVIDIA_DEV = ("/dev/nvidia",)
 # recommends (the faster); a rank matching any set of NCCL_SAFE_ENVS passes.
 NCCL_SAFE_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0"}
 NCCL_SAFE_ENVS = (NCCL_SAFE_ENV, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
-NCCL_SWITCHES = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_CUMEM_ENABLE")
+# A kubeconfig a worker names is read up to this: the most a Secret or ConfigMap volume holds (1 MiB).
+KUBECONFIG_BOUND = 1 << 20
 
 
 class WorkerNotFound(LookupError):
@@ -59,14 +68,15 @@ class WorkerProcs:
     pod_uid: PodUID
     entrypoint: HostPid  # the container's PID 1
     pidns: int  # inode of the container's pid namespace
-    control_dir: Path  # the entrypoint's control directory, reached from the node
-    info: dict[str, Any]  # the entrypoint's control file (entrypoint.json)
+    control_dir: str  # the entrypoint's control directory, a path inside the container (checked)
+    info: dict[str, Any]  # the entrypoint's control file (entrypoint.json), validated
     procs: tuple[ProcStatus, ...]  # every process of the pid namespace but PID 1
     gpu: tuple[HostPid, ...]  # those that map the CUDA driver or hold an NVIDIA device
+    root: Path = Path("/")  # the container's file system as the node reaches it (/proc/<entrypoint>/root)
 
     @property
     def control(self) -> EntrypointControl:
-        return EntrypointControl(self.control_dir)
+        return EntrypointControl(self.control_dir, root=self.root)
 
     @property
     def state(self) -> P.EntrypointState:
@@ -117,8 +127,12 @@ def find_entrypoint(uid: PodUID, *, container_id: str | None = None, proc: Path 
 
 
 def control_dir_of(entrypoint: HostPid, proc: Path = PROC) -> str:
-    """The ``--control-dir`` the entrypoint was started with (its default otherwise)."""
-    argv = procfs.cmdline(entrypoint, proc)
+    """The ``--control-dir`` the entrypoint was started with (its default otherwise), as it stands
+    in its argv: not checked (:func:`dynsnap.agent.container.components` does that)."""
+    try:
+        argv = C.cmdline(entrypoint, proc=proc)
+    except C.ContainerFileTooLarge as e:
+        raise C.UnsafeContainerPath(f"the entrypoint's command line: {e}; its --control-dir is not read") from e
     for i, a in enumerate(argv):
         if a == "--":
             break
@@ -158,15 +172,19 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
     ns = procfs.pid_ns(ep, proc)
     if ns is None:
         raise WorkerNotFound(f"pod {uid}: its entrypoint {ep} exited while being looked at")
-    control_dir = procfs.root_path(ep, control_dir_of(ep, proc), proc)
+    control_dir = control_dir_of(ep, proc)
+    C.components(control_dir)  # refused before anything is opened: a relative path, '..', a NUL
+    root = proc / str(ep) / "root"
     try:
-        info = EntrypointControl(control_dir).read()
+        info = EntrypointControl(control_dir, root=root).read()
     except EntrypointError as e:
         raise NotUnderEntrypoint(f"pod {uid}: {e}") from e
+    except C.ContainerRefused as e:
+        raise type(e)(f"pod {uid}: {e}") from e
     procs = tuple(st for st in procfs.in_pid_ns(ns, proc) if st.pid != ep and st.state not in ("Z", "X"))
     gpu = tuple(st.pid for st in procs if is_gpu_process(st.pid, proc))
     return WorkerProcs(pod_uid=uid, entrypoint=ep, pidns=ns, control_dir=control_dir, info=info, procs=procs,
-                       gpu=gpu)
+                       gpu=gpu, root=root)
 
 
 def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:
@@ -182,9 +200,13 @@ def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:
     for pid in w.gpu:
         if not uses_nccl(pid, proc):
             continue
-        env = procfs.environ(pid, proc)
-        if not any(all(env.get(k) == v for k, v in safe.items()) for safe in NCCL_SAFE_ENVS):
-            have = " ".join(f"{k}={env.get(k, '(unset)')}" for k in NCCL_SWITCHES)
+        try:
+            env = C.worker_env(pid, proc=proc)
+        except C.ContainerFileTooLarge as e:  # its switches cannot be told: as good as unsafe
+            problems.append(f"pid {pid}: {e}")
+            continue
+        if not any(all(env.nccl.get(k) == v for k, v in safe.items()) for safe in NCCL_SAFE_ENVS):
+            have = " ".join(f"{k}={_switch(env.nccl, env.invalid, k)}" for k in NCCL_SWITCHES)
             problems.append(f"pid {pid}: {have}")
     if not problems:
         return None
@@ -192,6 +214,10 @@ def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:
     return (f"{len(w.gpu)} GPU processes use NCCL with settings the CUDA driver cannot restore after a "
             f"checkpoint ({'; '.join(problems)}); run the worker with {want}"
             + "".join(f" (or {o}, slower)" for o in others))
+
+
+def _switch(nccl: dict[str, str], invalid: tuple[str, ...], key: str) -> str:
+    return "(invalid)" if key in invalid else nccl.get(key, "(unset)")
 
 
 def io_uring_holders(w: WorkerProcs, proc: Path = PROC) -> list[HostPid]:
@@ -202,79 +228,38 @@ def pids_below_floor(w: WorkerProcs) -> list[NsPid]:
     return sorted(st.ns_pid for st in w.procs if st.ns_pid < P.PID_FLOOR)
 
 
-@dataclass(frozen=True)
-class RunningHelper:
-    pid: HostPid
-    name: str
-    marker: str
-    age: float  # seconds since it started
-
-
-def running_helpers(uid: PodUID, proc: Path = PROC) -> list[RunningHelper]:
-    """CRIU or dynsnap-cuda processes an agent started for this pod that still run (found by
-    the ``DYNSNAP_OP=<pod uid>/...`` marker in their environment), e.g. after the agent died."""
-    out = []
-    boot = _boot_time(proc)
-    ticks = os.sysconf("SC_CLK_TCK")
-    for pid in procfs.pids(proc):
-        marker = procfs.environ(pid, proc).get("DYNSNAP_OP", "")
-        if not marker.startswith(f"{uid}/"):
-            continue
-        st = procfs.status(pid, proc)
-        if st is None or st.state in ("Z", "X"):
-            continue
-        started = _start_ticks(pid, proc)
-        age = time.time() - (boot + started / ticks) if started is not None and boot else 0.0
-        out.append(RunningHelper(pid=pid, name=st.name, marker=marker, age=max(age, 0.0)))
-    return out
-
-
-def _boot_time(proc: Path) -> float:
-    try:
-        for line in (proc / "stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return 0.0
-
-
-def _start_ticks(pid: int, proc: Path) -> int | None:
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[-1].split()
-    try:
-        return int(fields[19])  # field 22 (starttime), counted after the ")" of comm
-    except (IndexError, ValueError):
-        return None
-
-
 def apiserver_endpoints(pid: int, proc: Path = PROC) -> list[tuple[str, int]]:
     """The API server addresses a worker process talks to, as its sockets see them: the in-cluster
     service (``KUBERNETES_SERVICE_HOST``/``_PORT``) and the server of a ``KUBECONFIG`` it uses (read
-    through its root). Hostnames are skipped: a socket's peer is an address."""
-    env = procfs.environ(pid, proc)
+    through the container's root, at most KUBECONFIG_BOUND bytes). Every one is an IP address and a
+    port 1-65535 (they become ``ss -K`` arguments): hostnames and anything else are skipped, a
+    socket's peer is an address. Best effort: what cannot be read safely is left out and logged."""
+    try:
+        env = C.worker_env(pid, proc=proc)
+    except C.ContainerFileTooLarge as e:
+        log.warning("the API server endpoints of process %d: %s", pid, e)
+        return []
     out: list[tuple[str, int]] = []
-    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
-    if host and port and port.isdigit():
-        out.append((host.strip("[]"), int(port)))
-    if env.get("KUBECONFIG"):
+    if env.service_host is not None and env.service_port is not None:
+        out.append((str(env.service_host), env.service_port))
+    if env.kubeconfig:
         try:
-            cfg = yaml.safe_load(procfs.root_path(pid, env["KUBECONFIG"].split(":")[0], proc).read_text())
+            with C.ContainerRoot.of(pid, proc=proc) as root:
+                raw = root.read(env.kubeconfig, limit=KUBECONFIG_BOUND, symlinks=True)
+            cfg = yaml.safe_load(raw)
             for c in (cfg or {}).get("clusters") or []:
-                u = urlsplit(str((c.get("cluster") or {}).get("server", "")))
-                if u.hostname and _is_address(u.hostname):
-                    out.append((u.hostname, u.port or 443))
-        except (OSError, ValueError, yaml.YAMLError):
-            pass
+                out += _server_address(str((c.get("cluster") or {}).get("server", "")))
+        except (OSError, ValueError, AttributeError, RecursionError, yaml.YAMLError, C.ContainerRefused) as e:
+            log.warning("the kubeconfig of process %d: %s", pid, e)
     return sorted(set(out))
 
 
-def _is_address(host: str) -> bool:
+def _server_address(server: str) -> list[tuple[str, int]]:
+    """A kubeconfig server URL's (IP address, port 1-65535), none for a hostname or a bad port."""
     try:
-        ipaddress.ip_address(host)
+        u = urlsplit(server)
+        port = u.port if u.port is not None else 443
+        ip = ipaddress.ip_address(u.hostname or "")
     except ValueError:
-        return False
-    return True
+        return []
+    return [(str(ip), port)] if 1 <= port <= 65535 else []

@@ -160,6 +160,7 @@ class Reason(StrEnum):
     NOT_UNDER_ENTRYPOINT = "NotUnderEntrypoint"
     WORKER_NOT_RUNNING = "WorkerNotRunning"
     ENTRYPOINT_UNREADABLE = "EntrypointUnreadable"
+    UNSAFE_CONTAINER_PATH = "UnsafeContainerPath"
     # Progressing
     CAPTURING = "Capturing"
     WAKING = "Waking"

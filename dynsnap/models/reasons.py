@@ -81,9 +81,25 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "Run the worker under the entrypoint: the init container that copies it in and the main "
         "container's `command: [/dynsnap/bin/dynsnap-entrypoint, ..., --]` (examples/dgd/)."),
     Reason.ENTRYPOINT_UNREADABLE: ReasonDoc(
-        ACCEPTED, "refusal", "`Accepted=False`",
-        "Reserved for an entrypoint control file that exists but cannot be read or parsed.",
-        _RESERVED_ACTION, reserved=True),
+        ACCEPTED, "refusal", "`Accepted=False` (agent); `Degraded=True`, `status.lastError` when it turns "
+        "unreadable mid-way",
+        "The entrypoint's control file (`entrypoint.json`) exists but is no file the agent will use: larger "
+        "than 64 KiB, not a regular file, not JSON, of another `format`, or a field of the wrong type or out of "
+        "its bounds (the message names the field). The agent reads it from inside the worker's container, "
+        "where the worker can rewrite it; nothing was done to the worker.",
+        "Only dynsnap-entrypoint writes that file: something in the worker's container overwrote it. Find what "
+        "(the worker runs as root in its container?) and restart the pod; the entrypoint writes the file anew "
+        "at start and on every state change."),
+    Reason.UNSAFE_CONTAINER_PATH: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False` (agent); `Degraded=True`, `status.lastError` when met mid-way",
+        "A path the agent would open inside the worker's container is refused: a symlink at one of its "
+        "components, a `..` component, not absolute, or too long. The agent resolves every path in a "
+        "container from the container's own root and follows no symlink there (a symlink would otherwise "
+        "resolve against the node's root: an absolute one in the control directory would have the privileged "
+        "agent read or write node files). The message names the path and the component.",
+        "Start the entrypoint with a plain `--control-dir` (default `/run/dynsnap`, an emptyDir): an absolute "
+        "path without `..` whose every component is a real directory. If the path is right, something in the "
+        "container planted the symlink: find what."),
     # -- Progressing and Suspended ---------------------------------------------------------------------
     Reason.CAPTURING: ReasonDoc(
         PROGRESS, "normal", "`Progressing=True`; Event (agent)",

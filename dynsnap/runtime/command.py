@@ -17,10 +17,16 @@ import ctypes
 import os
 import shutil
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CommandError", "CommandResult", "find_tool", "run_command"]
+__all__ = ["CommandError", "CommandResult", "SpawnHook", "find_tool", "run_command"]
+
+# Called with a command's pid as soon as it runs (exec done; a quick command may have exited, and been
+# reaped by asyncio's child watcher, already); returns what to call once the command has been reaped.
+# An exception from it kills the command: a caller that must know about every command it runs (the
+# agent's helper registry) never has one running it does not know of.
+SpawnHook = Callable[[int], Callable[[], None]]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -69,6 +75,7 @@ async def run_command(
     env: Mapping[str, str] | None = None,
     die_with_parent: bool = False,
     pass_fds: Sequence[int] = (),
+    on_spawn: SpawnHook | None = None,
 ) -> CommandResult:
     """Run ``argv`` to completion within ``timeout`` seconds.
 
@@ -77,6 +84,7 @@ async def run_command(
     None) is raised (or the cancellation propagates). ``die_with_parent`` sets
     ``PR_SET_PDEATHSIG`` to SIGKILL in the child, so it dies if this process dies.
     ``pass_fds``: open fds of this process the command inherits (every other one is closed in it).
+    ``on_spawn``: see :data:`SpawnHook`; what it returns is called once the command is reaped.
     """
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -88,16 +96,23 @@ async def run_command(
         preexec_fn=_die_with_parent if die_with_parent else None,
         pass_fds=tuple(pass_fds),
     )
+    reaped: Callable[[], None] | None = None
     try:
+        if on_spawn is not None:
+            reaped = on_spawn(proc.pid)
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except BaseException as e:  # timed out or cancelled: never leave the command running
+    except BaseException as e:  # timed out, cancelled, or not recorded: never leave the command running
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(proc.wait(), 5.0)  # reap it
+        if reaped is not None and proc.returncode is not None:
+            reaped()
         if isinstance(e, TimeoutError):
             raise CommandError(argv, None, "", f"no exit within {timeout} s") from None
         raise
+    if reaped is not None:
+        reaped()
     res = CommandResult(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
     if check and res.returncode != 0:
         raise CommandError(argv, res.returncode, res.stdout, res.stderr)

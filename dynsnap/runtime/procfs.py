@@ -5,7 +5,9 @@ their pid namespace, what they map and hold open, their environment.
 Layer: ``dynsnap.runtime`` (generic node facts; the agent builds on them, the test harness
 may too). Every function reads ``/proc`` afresh (nothing cached: pids are reused) and treats
 a process that vanished mid-read as absent. ``proc`` is a parameter so tests can point at a
-copy; it defaults to the node's ``/proc`` (the agent runs with hostPID).
+copy; it defaults to the node's ``/proc`` (the agent runs with hostPID). Nothing here opens a file
+inside a process's root (``/proc/<pid>/root/...``): the agent does that only through
+``dynsnap.agent.container``, its trust boundary with containers.
 """
 
 from __future__ import annotations
@@ -104,10 +106,24 @@ def exe_name(pid: int, proc: Path = PROC) -> str | None:
         return None
 
 
-def cmdline(pid: int, proc: Path = PROC) -> list[str]:
+# A process's argv and environment are its own memory: it can rewrite them and (prctl PR_SET_MM) make
+# them larger than any exec gave it. They are read up to ARG_MAX under the default stack limit (a
+# quarter of 8 MiB); what lies beyond is not read.
+MEMORY_READ_BOUND = 2 * 1024 * 1024
+
+
+def _read_memory(path: Path) -> bytes | None:
     try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
+        with open(path, "rb") as f:
+            return f.read(MEMORY_READ_BOUND)
     except OSError:
+        return None
+
+
+def cmdline(pid: int, proc: Path = PROC) -> list[str]:
+    """The process's argv (at most MEMORY_READ_BOUND bytes of it)."""
+    raw = _read_memory(proc / str(pid) / "cmdline")
+    if raw is None:
         return []
     return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
 
@@ -181,9 +197,10 @@ def fd_targets(pid: int, proc: Path = PROC) -> list[str]:
 
 
 def environ(pid: int, proc: Path = PROC) -> dict[str, str]:
-    try:
-        raw = (proc / str(pid) / "environ").read_bytes()
-    except OSError:
+    """The process's environment (at most MEMORY_READ_BOUND bytes of it). The agent reads a container
+    process's through dynsnap.agent.container instead, which refuses one past its bound."""
+    raw = _read_memory(proc / str(pid) / "environ")
+    if raw is None:
         return {}
     env = {}
     for item in raw.split(b"\0"):
@@ -198,8 +215,3 @@ def rss_bytes(pid: int, proc: Path = PROC) -> int:
     text = _read(proc / str(pid) / "smaps_rollup") or _read(proc / str(pid) / "status") or ""
     m = re.search(r"^(?:Rss|VmRSS):\s+(\d+) kB", text, re.M)
     return int(m.group(1)) * 1024 if m else 0
-
-
-def root_path(pid: int, path: str, proc: Path = PROC) -> Path:
-    """``path`` inside the process's root filesystem, reached from the node (no mount needed)."""
-    return proc / str(pid) / "root" / path.lstrip("/")

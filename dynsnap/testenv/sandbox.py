@@ -266,6 +266,11 @@ class PodSandbox:
         except FileNotFoundError:
             return False
 
+    @property
+    def pid_namespace(self) -> int | None:
+        """The inode of the pod's pid namespace, as it was at start (also once the pod has stopped)."""
+        return self._pidns
+
     def nsenter_argv(self) -> list[str]:
         """Prefix that runs a command in the pod's pid, mount and net namespaces.
 

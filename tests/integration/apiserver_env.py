@@ -1,8 +1,8 @@
 """What the API-server rows of the agent's fault matrix (test_agent_apiserver.py) need beyond
 agentenv.py: a local cluster of their own (its API server is restarted, and it keeps an audit log), the
 audit log read back as the watches each pod opened (URL, timeoutSeconds, when the server started and
-ended each), the API server's own end of a pod's connections, the agent's helpers found by the marker
-in their environment, and a CRIU that restores TCP connections closed (apiserver_criu_tcp_close).
+ended each), the API server's own end of a pod's connections, the agent's helpers found by what they
+are (helperprocs.py), and a CRIU that restores TCP connections closed (apiserver_criu_tcp_close).
 
 The cluster has its own bridge and /16 (``dsnapi0``, 10.217.0.0/16; ``DYNSNAP_TEST_APISERVER_BRIDGE``
 and ``DYNSNAP_TEST_APISERVER_CIDR`` pick another pair), so it runs beside the session's cluster.
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from dynsnap.agent.worker import RunningHelper, running_helpers
-from dynsnap.models.ids import PodUID
-from dynsnap.testenv.cluster import DYNAMO_USER, LocalCluster
+from helperprocs import Helper, helpers_of
+
+from dynsnap.testenv.cluster import DYNAMO_USER, LocalCluster, RunningPod
 from dynsnap.testenv.netns import SandboxNetwork
 
 # The real CRIU with --tcp-close added to a restore (see its header).
@@ -106,9 +106,10 @@ class AuditLog:
         return sorted((w for w in out if since is None or w.started > since), key=lambda w: w.started)
 
 
-def helpers(uid: str, op: str) -> list[RunningHelper]:
-    """The agent's helpers (dynsnap-cuda, CRIU) running for the pod's ``op`` (save, resume, criu...)."""
-    return [h for h in running_helpers(PodUID(uid)) if h.marker == f"{uid}/{op}"]
+def helpers(pod: RunningPod, op: str) -> list[Helper]:
+    """The agent's helpers (dynsnap-cuda, CRIU) running for the pod's ``op`` (save, resume, criu...),
+    found by what they are (helperprocs.py)."""
+    return [h for h in helpers_of(pod) if h.op == op]
 
 
 def server_ends(conns: set[tuple[str, str]]) -> set[tuple[str, str]]:

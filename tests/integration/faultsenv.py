@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import AgentProc, StubDriver, worker_component
+from helperprocs import running_for
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -262,13 +263,7 @@ async def restart_agent(agent: AgentProc, extra: list[str]) -> None:
     await agent.start()
 
 
-def helpers_running(uid: str) -> list[str]:
-    """Processes an agent started for pod ``uid`` (CRIU, dynsnap-cuda) that still run: found, as the
-    agent finds them, by the DYNSNAP_OP=<uid>/... marker in their environment."""
-    out = []
-    for pid in procfs.pids():
-        marker = procfs.environ(pid).get("DYNSNAP_OP", "")
-        st = procfs.status(pid)
-        if marker.startswith(f"{uid}/") and st is not None and st.state not in ("Z", "X"):
-            out.append(f"{pid} {st.name} {marker}")
-    return out
+def helpers_running(pod: RunningPod) -> list[str]:
+    """Processes an agent started for ``pod`` (CRIU, dynsnap-cuda) that still run, found by what they
+    are (helperprocs.py), not by the agent's own registry."""
+    return running_for(pod)

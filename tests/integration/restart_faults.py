@@ -1,6 +1,6 @@
 """What tests/integration/test_agent_restart.py needs to kill the node agent in the middle of one
-step and start another: the agent killed and reaped, a helper an agent started found by the
-``DYNSNAP_OP`` marker in its environment, the worker's entrypoint held (SIGSTOP) so it cannot
+step and start another: the agent killed and reaped, a helper an agent started found by what it
+is (helperprocs.py), the worker's entrypoint held (SIGSTOP) so it cannot
 acknowledge a request, the entrypoint's control files read through /proc/<pid>/root, and the
 ``fake_slow_criu`` wrapper that holds a dump or a restore in flight.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import AgentProc, StubDriver, eventually
+from helperprocs import Helper, helpers_of
 
 from dynsnap.models import protocol as P
 from dynsnap.testenv.cluster import RunningPod
@@ -36,32 +37,10 @@ async def kill_agent(agent: AgentProc) -> None:
     agent.proc = None
 
 
-@dataclass(frozen=True)
-class Helper:
-    pid: int
-    ns_pid: int  # its pid in the innermost pid namespace it runs in (CRIU runs in the pod's)
-    name: str
-    marker: str
-
-
-def helpers(uid: str) -> list[Helper]:
-    """Processes that carry ``DYNSNAP_OP=<uid>/...`` (a CRIU, its nsenter, a dynsnap-cuda an agent
-    started for this pod), as a restarted agent finds them."""
-    out = []
-    want = f"DYNSNAP_OP={uid}/".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                          if ":" in line)
-        except OSError:
-            continue
-        marker = next((e.decode().split("=", 1)[1] for e in env if e.startswith(want)), None)
-        state = status.get("State", "X").split()[0]
-        if marker is not None and state not in ("Z", "X"):
-            out.append(Helper(int(pid), int(status["NSpid"].split()[-1]), name, marker))
-    return out
+def helpers(pod: RunningPod) -> list[Helper]:
+    """The CRIU (with its nsenter) and dynsnap-cuda processes an agent started for this pod that still
+    run, found by what they are (helperprocs.py), not by the agent's own registry."""
+    return helpers_of(pod)
 
 
 def unhang(driver: StubDriver) -> None:

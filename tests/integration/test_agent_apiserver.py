@@ -204,7 +204,7 @@ async def test_apiserver_restarted_mid_wake(env: Env) -> None:
             await set_desired(api, pod, "Active")
 
             async def resuming() -> bool:
-                return bool(helpers(pod.uid, "resume"))
+                return bool(helpers(pod, "resume"))
             await eventually("the wake's resume (dynsnap-cuda) in flight", resuming, timeout=90)
             restored = established(pod, remote=apiserver_addr(cluster))
 
@@ -215,7 +215,7 @@ async def test_apiserver_restarted_mid_wake(env: Env) -> None:
                 return _failed_status_writes(agent, pod) > failed_before
 
             async def while_down() -> None:
-                assert helpers(pod.uid, "resume"), "the resume was over before the API server went down"
+                assert helpers(pod, "resume"), "the resume was over before the API server went down"
                 # The rest of the wake is the node's business: the agent ends it without the server,
                 # and its status writes fail meanwhile.
                 await eventually("the entrypoint active while the API server is down", woken, timeout=120)

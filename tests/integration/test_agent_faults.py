@@ -366,7 +366,7 @@ async def test_helper_hanging_past_its_bound_is_killed_rolled_back_and_retried(e
         ws = await eventually("the worker rolled back to Active within the backoff", rolled_back, timeout=120)
         _degraded(ws, "HelperTimeout")
         assert not stopped(pod)
-        assert not helpers_running(pod.uid), "the hung helper was killed"
+        assert not helpers_running(pod), "the hung helper was killed"
         for p in gpu:  # each was locked by the killed save, and unlocked by the rollback
             assert len(stub_calls(env.driver, "cuCheckpointProcessUnlock", p)) > unlocks[p]
         env.driver.clear_faults()

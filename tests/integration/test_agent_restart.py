@@ -285,7 +285,7 @@ def check_asleep(env: Env, ws: Obj, tier: str) -> None:
         assert image.name == cap["id"] and (image / P.MANIFEST_FILE).is_file()
         assert pod_images(env) == [image], f"one sealed capture and nothing else: {pod_images(env)}"
         assert {f"core-{p}.img" for p in gpu} <= set(os.listdir(image))
-    assert helpers(pod.uid) == []
+    assert helpers(pod) == []
 
 
 async def check_awake(env: Env, ws: Obj) -> None:
@@ -301,7 +301,7 @@ async def check_awake(env: Env, ws: Obj) -> None:
     async def cleaned() -> bool:
         return pod_images(env) == []
     await eventually("the woken worker's images deleted (they hold its secrets)", cleaned, timeout=30)
-    assert helpers(pod.uid) == []
+    assert helpers(pod) == []
 
 
 # -- the faults: each triggers the operation, kills the agent with the step in flight, starts a new one
@@ -366,8 +366,8 @@ async def killed_at_settle(cluster: LocalCluster, env: Env, row: Row) -> None:
     if row.step == "settle-snapshotted":
         await eventually("the dump started", dump_started, timeout=60)
     else:
-        marker = f"{pod.uid}/{'save' if row.op == 'capture' else 'resume'}"
-        await eventually(f"the {marker} helper running", lambda: _helper(pod, marker), timeout=60)
+        op = "save" if row.op == "capture" else "resume"
+        await eventually(f"the {op} helper running", lambda: _helper(pod, op), timeout=60)
     with entrypoint_stopped(pod) as acked:
         assert ep_info(pod)["state"] == ("restoring" if row.op == "wake" else "suspending"), \
             "stopped before the step ahead of the settle was over"
@@ -389,8 +389,8 @@ def _started(env: Env, op: str, *, event: str | None = None) -> Callable[[], Awa
     return check
 
 
-async def _helper(pod: RunningPod, marker: str) -> bool:
-    return any(h.marker == marker for h in helpers(pod.uid))
+async def _helper(pod: RunningPod, op: str) -> bool:
+    return any(h.op == op for h in helpers(pod))
 
 
 async def killed_in_helper(cluster: LocalCluster, env: Env, row: Row) -> None:
@@ -399,11 +399,11 @@ async def killed_in_helper(cluster: LocalCluster, env: Env, row: Row) -> None:
     pod = env.pod
     capture = row.op == "capture"
     fn = "cuCheckpointProcessCheckpoint" if capture else "cuCheckpointProcessRestore"
-    marker = f"{pod.uid}/{'save' if capture else 'resume'}"
+    op = "save" if capture else "resume"
     calls = len(env.driver.calls())
     env.driver.control(f"hang {fn} * {HELPER_HANG_MS}")
     await set_desired(cluster.api, pod, _want(row))
-    await eventually(f"the {marker} helper running", lambda: _helper(pod, marker), timeout=60)
+    await eventually(f"the {op} helper running", lambda: _helper(pod, op), timeout=60)
     if capture:  # the save has locked every GPU process and is checkpointing the first
         want = {f"cuCheckpointProcessLock pid={host}" for host in gpu_pids(pod)}
 
@@ -412,14 +412,14 @@ async def killed_in_helper(cluster: LocalCluster, env: Env, row: Row) -> None:
             return want <= done
         await eventually("every GPU process's lock in the driver's call log", locked)
     await kill_agent(env.agent)
-    alive = [h for h in helpers(pod.uid) if h.marker == marker]
+    alive = [h for h in helpers(pod) if h.op == op]
     assert alive, "the helper outlives the agent (it runs in its own session)"
     if row.step.endswith("-helper-killed"):
         for h in alive:
             os.kill(h.pid, signal.SIGKILL)
 
         async def gone() -> bool:
-            return not helpers(pod.uid)
+            return not helpers(pod)
         await eventually("the helper gone", gone)
         unhang(env.driver)
         left = set(driver_states(env).values())
@@ -443,7 +443,7 @@ async def killed_in_criu(cluster: LocalCluster, env: Env, row: Row) -> None:
     await eventually(f"CRIU {op} {'started' if before else 'exited'}", started, timeout=60)
     await kill_agent(env.agent)
     run = env.criu.runs(op)[-1]
-    assert any(h.marker == f"{pod.uid}/criu" and h.ns_pid == run["pid"] for h in helpers(pod.uid)), \
+    assert any(h.op == "criu" and h.ns_pid == run["pid"] for h in helpers(pod)), \
         "the CRIU the dead agent started still runs"
     if before:
         assert "exec" not in run["events"], "the real CRIU had not started when the agent died"

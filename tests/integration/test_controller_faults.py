@@ -302,7 +302,7 @@ async def _graph_gone(env: Env, g: Deployed, *, images: list[RunningPod]) -> Non
         await _images_collected(env, p)
     for p in g.workers:
         async def no_helpers(p: RunningPod = p) -> bool:
-            return not helpers_running(p.uid)  # CRIU in the pod's pid namespace dies with the pod
+            return not helpers_running(p)  # CRIU in the pod's pid namespace dies with the pod
         await eventually(f"{p.name}: no CRIU or dynsnap-cuda left running for it", no_helpers, timeout=60)
     assert env.controller.proc is not None and env.controller.proc.alive(), "the controller exited"
 

@@ -405,15 +405,16 @@ def test_bad_state_requests_are_refused_and_acknowledged(sandbox: Callable[..., 
     assert sb.control_file()["state"] == "suspending"
 
 
-def _cycle_requests(control: Path, count: int) -> list[dict[str, Any]]:
-    """``count`` requests in a row through the agent's own EntrypointControl, each acknowledged."""
+def _cycle_requests(control: Path, count: int, *, root: Path = Path("/")) -> list[dict[str, Any]]:
+    """``count`` requests in a row through the agent's own EntrypointControl, each acknowledged
+    (``control`` a path in the file system ``root`` is the root of)."""
     from dynsnap.agent.entrypoint_control import EntrypointControl
 
     states = [protocol.EntrypointState.SUSPENDING, protocol.EntrypointState.SUSPENDED,
               protocol.EntrypointState.RESTORING, protocol.EntrypointState.ACTIVE]
 
     async def run() -> list[dict[str, Any]]:
-        ctl = EntrypointControl(control)
+        ctl = EntrypointControl(control, root=root)
         return [await ctl.request(states[i % len(states)], timeout=10.0) for i in range(count)]
 
     acks = asyncio.run(run())
@@ -441,7 +442,7 @@ def test_a_state_request_wakes_the_entrypoint_through_its_inotify_watch(
         assert (ctl["request_wakeup"], ctl["request_noticed"]) == ("inotify", None)
         if fs == "tmpfs":
             assert os.stat(control).st_dev != os.stat(tmp_path).st_dev
-        acks = _cycle_requests(Path(f"/proc/{sb.pid1}/root{control}"), 20)
+        acks = _cycle_requests(control, 20, root=Path(f"/proc/{sb.pid1}/root"))
         noticed = [a["request_noticed"] for a in acks]
         # "inotify": the watch's event is what woke the loop's poll(). The tick can still take one
         # now and then, when the rename lands in the microseconds between a tick's wakeup and the

@@ -37,7 +37,7 @@ def worker(tmp_path: Path, envs: list[dict[str, str]], *, nccl: bool = True) -> 
         (d / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0"
                                              for k, v in {"PATH": "/usr/bin", **env}.items()))
         pids.append(HostPid(pid))
-    return W.WorkerProcs(pod_uid=PodUID("u"), entrypoint=HostPid(500), pidns=1, control_dir=tmp_path, info={},
+    return W.WorkerProcs(pod_uid=PodUID("u"), entrypoint=HostPid(500), pidns=1, control_dir="/run/dynsnap", info={},
                          procs=(), gpu=tuple(pids))
 
 

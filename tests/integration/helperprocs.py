@@ -1,0 +1,82 @@
+"""The helpers an agent runs for a pod (dynsnap-cuda, CRIU under nsenter), found in /proc the way a
+person on the node would find them: by what each process is and what it acts on. Not the way the
+agent finds them (its registry, dynsnap/agent/helpers.py), so a test's "no helper left running" does
+not rest on the code it checks, and not by anything a process can say about itself.
+
+- dynsnap-cuda: a process whose executable is dynsnap-cuda, running an ``--action`` (its op: save,
+  resume, unlock, ...) for a ``--pid`` of the pod's pid namespace;
+- CRIU: an nsenter whose target (``-t``) is the pod's PID 1 and that runs a CRIU ``dump`` or
+  ``restore``, with every process below it (CRIU, or the tests' wrapper scripts), op ``criu``.
+
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from dynsnap.runtime import procfs
+from dynsnap.testenv.cluster import RunningPod
+
+
+@dataclass(frozen=True)
+class Helper:
+    pid: int
+    ns_pid: int  # its pid in the innermost pid namespace it runs in (CRIU runs in the pod's)
+    name: str
+    op: str  # dynsnap-cuda's --action, or "criu"
+
+
+def _pid_values(argv: list[str]) -> list[int]:
+    out = []
+    for i, a in enumerate(argv[:-1]):
+        if a == "--pid":
+            out += [int(p) for p in argv[i + 1].split(",") if p.isdigit()]
+    return out
+
+
+def _in_namespace(pid: int, inode: int | None) -> bool:
+    try:
+        return inode is not None and os.stat(f"/proc/{pid}/ns/pid").st_ino == inode
+    except OSError:
+        return False
+
+
+def _helper(pid: int, op: str) -> Helper | None:
+    st = procfs.status(pid)
+    if st is None or st.state in ("Z", "X"):
+        return None
+    return Helper(pid, st.ns_pid, st.name, op)
+
+
+def helpers_of(pod: RunningPod) -> list[Helper]:
+    """The dynsnap-cuda and CRIU processes that run for ``pod`` now (also once the pod has stopped)."""
+    inode = pod.sandbox.pid_namespace
+    out: list[Helper] = []
+    for pid in procfs.pids():
+        exe = procfs.exe_name(pid)
+        if exe not in ("dynsnap-cuda", "nsenter"):
+            continue
+        argv = procfs.cmdline(pid)
+        if exe == "dynsnap-cuda":
+            # an --action call (save, resume, unlock...); the agent's short --get-state looks are no helpers
+            if "--action" in argv[:-1] and any(_in_namespace(p, inode) for p in _pid_values(argv)):
+                h = _helper(pid, argv[argv.index("--action") + 1])
+                out += [h] if h is not None else []
+            continue
+        at = argv.index("--") if "--" in argv else len(argv)
+        target = argv[argv.index("-t") + 1] if "-t" in argv[:at - 1] else None
+        if target == str(pod.sandbox.pid) and {"dump", "restore"} & set(argv[at:]):
+            for p in procfs.tree(pid):
+                with contextlib.suppress(OSError):
+                    h = _helper(p, "criu")
+                    out += [h] if h is not None else []
+    return out
+
+
+def running_for(pod: RunningPod) -> list[str]:
+    """helpers_of, as one line each (for assertion messages)."""
+    return [f"{h.pid} {h.name} {h.op}" for h in helpers_of(pod)]
+

@@ -1,0 +1,356 @@
+"""The node agent treats everything a worker controls as hostile (issue 18), against real pods of
+the local environment, one agent for their node:
+
+- paths inside the container: a control directory that is a symlink to a node directory, and one
+  reached through ``..``, are refused (``Accepted=False``, UnsafeContainerPath, the component named)
+  also when a capture is asked, and the node directory is byte for byte what it was; a symlink
+  planted at the name an agent used to write its state request through is never followed, and the
+  capture and wake go on;
+- what the entrypoint reports: an oversized, malformed, mistyped or symlinked ``entrypoint.json``
+  is refused with its reason, nothing is touched, and the agent goes on serving the node's other
+  workers (one is captured and woken meanwhile);
+- markers any process can forge: a process of the node running an executable named criu, and one in
+  the worker's own tree, both carrying ``DYNSNAP_OP=<the pod's UID>/criu``, change nothing (no
+  ``wait-helper``, nothing killed), while a dynsnap-cuda an earlier agent process left running past its
+  bound is found through the agent's registry and killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from agentenv import (
+    AGENT_NS,
+    AGENT_SA,
+    AgentProc,
+    StubDriver,
+    build_stub_driver,
+    condition,
+    deploy_serving,
+    eventually,
+    install_dynsnap,
+    quiesce,
+    set_desired,
+    state_is,
+    token_kubeconfig,
+    wait_ws,
+    worker_component,
+    ws_body,
+)
+from helperprocs import helpers_of
+from refusalenv import observed, state_changes_since
+from restart_faults import kill_agent, unhang
+from trustenv import (
+    control_dir,
+    marked_in_pod,
+    start_forged_on_node,
+    start_ticks,
+    tree_bytes,
+    with_control_dir,
+    with_forged_helper,
+)
+
+from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import LocalCluster, RunningPod
+
+pytestmark = pytest.mark.cluster
+
+# The agent's bound on a helper; a restarted agent kills one an earlier agent left running past it.
+HELPER_BOUND_S = 20
+HANG_MS = 120_000  # a save held this long outlives that bound
+
+
+@dataclass
+class Env:
+    graph: D.Graph
+    fe: D.FrontendClient
+    agent: AgentProc
+    driver: StubDriver
+    work: Path
+    ids: dict[str, int]
+    node_dirs: dict[str, Path] = field(default_factory=dict)  # pod component -> node dir it points at
+
+    def pod(self, component: str) -> RunningPod:
+        return self.graph.workers(component)[0]
+
+
+@pytest.fixture(scope="module")
+async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
+    work = Path(tempfile.mkdtemp(prefix="dynsnap-trust-"))
+    driver = build_stub_driver(work / "stubcuda")
+    nodes = {"symlinked": work / "node" / "symlinked", "dotdot": work / "node" / "dotdot"}
+    for d in nodes.values():
+        d.mkdir(parents=True)
+    await install_dynsnap(cluster)
+    kubeconfig = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
+
+    def comp(name: str) -> Obj:
+        return worker_component(name, replicas=1, driver=driver)
+    ctl = P.ENTRYPOINT_CONTROL_DIR
+    g = await deploy_serving(cluster, D.dgd("trs", [
+        D.frontend_component(),
+        with_forged_helper(comp("worker")),  # the worker that is captured and woken
+        with_control_dir(comp("symlinked"), f"{ctl}/ctl", symlink_to=nodes["symlinked"]),
+        with_control_dir(comp("dotdot"), f"{ctl}/../..{nodes['dotdot']}"),
+        comp("tamper"),  # its entrypoint.json is rewritten by the tests
+    ]))
+    agent = AgentProc(g.workers("worker")[0].node, kubeconfig, work / "agent", driver,
+                      extra=["--failure-backoff", "1", "--failure-backoff-max", "4",
+                             "--helper-timeout", str(HELPER_BOUND_S), "--criu-timeout", str(HELPER_BOUND_S)])
+    fe = D.FrontendClient(g.frontend)
+    try:
+        assert {p.node for ps in g.pods.values() for p in ps} == {agent.node}, "one node, one agent"
+        await agent.start()
+        await fe.wait_model()
+        ids = {c: await D.instance_id(cluster, g.workers(c)[0]) for c in ("worker", "symlinked", "dotdot", "tamper")}
+        yield Env(g, fe, agent, driver, work, ids, nodes)
+    finally:
+        await fe.close()
+        await agent.stop()
+        await D.teardown(cluster, g)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def _pinned(env: Env, component: str) -> None:
+    wid = env.ids[component]
+    await env.fe.wait_routable(wid)
+    res = await env.fe.chat(f"to {component}", worker_id=wid)
+    assert res.status == 200 and res.worker_id == wid, res.body
+
+
+async def _refused(cluster: LocalCluster, env: Env, pod: RunningPod, reason: str, says: str) -> Obj:
+    """A WorkerSnapshot for ``pod`` refused for ``reason``, and still refused once the worker is out of
+    serving and asked to sleep (only the refusal stands between the spec and a capture)."""
+    api = cluster.api
+    created = await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
+    ws = await wait_ws(api, pod, "refused", observed(created["metadata"]["generation"]), agents=[env.agent])
+    accepted = condition(ws, "Accepted")
+    assert accepted is not None and (accepted["status"], accepted["reason"]) == ("False", reason), accepted
+    assert says in accepted["message"], accepted["message"]
+    await quiesce(cluster, pod, serving=False)
+    patched = await api.merge_patch(R.WORKER_SNAPSHOTS, pod.name, {"spec": {"desiredState": "Suspended"}},
+                                    namespace=pod.namespace)
+    ws = await wait_ws(api, pod, "Suspended refused", observed(patched["metadata"]["generation"]), agents=[env.agent])
+    accepted = condition(ws, "Accepted")
+    assert accepted is not None and (accepted["status"], accepted["reason"]) == ("False", reason), accepted
+    assert "lastCapture" not in ws["status"] and "lastError" not in ws["status"], ws["status"]
+    return ws
+
+
+async def _release(cluster: LocalCluster, pod: RunningPod) -> None:
+    with contextlib.suppress(NotFound):
+        await cluster.api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+    await quiesce(cluster, pod, serving=True)
+
+
+def _ep_state(path: Path) -> str:
+    return str(json.loads((path / P.ENTRYPOINT_CONTROL_FILE).read_text())["state"])
+
+
+# -- paths inside the container -------------------------------------------------------------------
+
+@pytest.mark.parametrize(("component", "says"), [
+    ("symlinked", "/run/dynsnap/ctl is a symlink"),
+    ("dotdot", "it has a '..' component"),
+], ids=["symlinked", "dotdot"])
+async def test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched(
+        cluster: LocalCluster, env: Env, component: str, says: str) -> None:
+    pod, node_dir = env.pod(component), env.node_dirs[component]
+    before = tree_bytes(node_dir)
+    assert P.ENTRYPOINT_CONTROL_FILE in before, "the entrypoint keeps its control file in the node directory"
+    mark = len(env.driver.calls())
+    try:
+        await _refused(cluster, env, pod, P.Reason.UNSAFE_CONTAINER_PATH.value, says)
+        assert tree_bytes(node_dir) == before, "the agent wrote into the node directory"
+        assert P.ENTRYPOINT_REQUEST_FILE not in os.listdir(node_dir)
+        assert state_changes_since(env.driver, mark) == []
+        assert _ep_state(node_dir) == "active"
+    finally:
+        await _release(cluster, pod)
+    await _pinned(env, component)  # the worker serves on, untouched
+
+
+async def _cycle(cluster: LocalCluster, env: Env, pod: RunningPod) -> tuple[Obj, Obj]:
+    """Capture (tier suspend) and wake ``pod``, back in serving and answering: (asleep, awake)."""
+    api = cluster.api
+    await wait_ws(api, pod, "Accepted, Active", state_is("Active"), agents=[env.agent])
+    await quiesce(cluster, pod, serving=False)
+    await set_desired(api, pod, "Suspended")
+    asleep = await wait_ws(api, pod, "Suspended", state_is("Suspended", suspended=True), agents=[env.agent])
+    await set_desired(api, pod, "Active")
+    awake = await wait_ws(api, pod, "Active", lambda ws: state_is("Active", suspended=False)(ws) and bool(
+        (ws["status"].get("lastWake") or {}).get("finished")), agents=[env.agent])
+    await quiesce(cluster, pod, serving=True)
+    await _pinned(env, "worker")
+    return asleep, awake
+
+
+def _steps(ws: Obj, record: str) -> list[str]:
+    return [s["name"] for s in ws["status"][record]["steps"]]
+
+
+async def test_a_symlink_planted_at_the_agents_former_temp_name_is_never_followed(cluster: LocalCluster,
+                                                                                   env: Env) -> None:
+    pod = env.pod("worker")
+    assert env.agent.proc is not None
+    victim = env.work / "node" / "victim"
+    victim.write_bytes(b"a file of the node\n")
+    ctl = control_dir(pod)
+    planted = ctl / f".{P.ENTRYPOINT_REQUEST_FILE}.{env.agent.proc.pid}"  # where an agent wrote it before
+    planted.symlink_to(victim)
+    await cluster.api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
+    try:
+        asleep, awake = await _cycle(cluster, env, pod)
+        assert asleep["status"]["lastCapture"]["ok"] is True and awake["status"]["lastWake"]["ok"] is True
+        assert victim.read_bytes() == b"a file of the node\n", "the agent wrote through the planted symlink"
+        assert os.readlink(planted) == str(victim)
+        left = sorted(os.listdir(ctl))
+        assert left == sorted([P.ENTRYPOINT_CONTROL_FILE, P.ENTRYPOINT_REQUEST_FILE, planted.name, "worker.log"]), \
+            f"the agent's temp files are gone, nothing else appeared: {left}"
+    finally:
+        planted.unlink(missing_ok=True)
+        await _release(cluster, pod)
+
+
+# -- what the entrypoint reports -------------------------------------------------------------------
+
+def _tampered(case: str, genuine: dict[str, object], node_file: Path) -> bytes | None:
+    if case == "oversized":  # valid JSON, every field right, past the 64 KiB bound
+        return json.dumps({**genuine, "padding": "x" * 100_000}).encode()
+    if case == "malformed":
+        return b'{"format": 1, "state": "act'
+    if case == "wrong-types":
+        return json.dumps({**genuine, "request_seq": "7", "pid_reserved": "yes", "worker_pid": -5}).encode()
+    node_file.write_text(json.dumps(genuine))  # symlink: a node file holding a right-looking control file
+    return None
+
+
+@pytest.mark.parametrize(("case", "reason", "says"), [
+    ("oversized", "EntrypointUnreadable", "is larger than 65536 bytes"),
+    ("malformed", "EntrypointUnreadable", "not JSON"),
+    ("wrong-types", "EntrypointUnreadable", "request_seq: Input should be a valid integer"),
+    ("symlink", "UnsafeContainerPath", "/run/dynsnap/entrypoint.json' is a symlink"),
+], ids=["oversized", "malformed", "wrong-types", "symlink"])
+async def test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched(
+        cluster: LocalCluster, env: Env, case: str, reason: str, says: str) -> None:
+    pod = env.pod("tamper")
+    ctl = control_dir(pod)
+    path = ctl / P.ENTRYPOINT_CONTROL_FILE
+    genuine = path.read_bytes()
+    node_file = env.work / "node" / f"entrypoint-{case}.json"
+    content = _tampered(case, json.loads(genuine), node_file)
+    node_before = node_file.read_bytes() if node_file.exists() else None
+    tmp = ctl / ".tampered"
+    if content is None:
+        tmp.symlink_to(node_file)
+    else:
+        tmp.write_bytes(content)
+    tmp.rename(path)  # as the worker could: in one step
+    mark = len(env.driver.calls())
+    try:
+        await _refused(cluster, env, pod, reason, says)
+        assert P.ENTRYPOINT_REQUEST_FILE not in os.listdir(ctl), "a request reached the entrypoint"
+        assert state_changes_since(env.driver, mark) == []
+        if node_before is not None:
+            assert node_file.read_bytes() == node_before
+    finally:
+        tmp.write_bytes(genuine)
+        tmp.rename(path)
+        await _release(cluster, pod)
+    await _pinned(env, "tamper")
+
+
+async def test_the_agent_serves_its_other_workers_while_some_are_refused(cluster: LocalCluster, env: Env) -> None:
+    api = cluster.api
+    tamper, symlinked, worker = env.pod("tamper"), env.pod("symlinked"), env.pod("worker")
+    path = control_dir(tamper) / P.ENTRYPOINT_CONTROL_FILE
+    genuine = path.read_bytes()
+    (path.parent / ".tampered").write_bytes(b"\xff not json")
+    (path.parent / ".tampered").rename(path)
+    await api.create(R.WORKER_SNAPSHOTS, ws_body(worker, tier="suspend"))
+    try:
+        await _refused(cluster, env, tamper, "EntrypointUnreadable", "not JSON")
+        await _refused(cluster, env, symlinked, "UnsafeContainerPath", "is a symlink")
+        asleep, awake = await _cycle(cluster, env, worker)
+        assert _steps(asleep, "lastCapture") == ["quiesce", "save", "settle-suspended"]
+        assert _steps(awake, "lastWake") == ["wake", "resume", "settle-active"]
+        for pod in (tamper, symlinked):  # still refused, each for its own reason
+            ws = await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+            accepted = condition(ws, "Accepted")
+            assert accepted is not None and accepted["status"] == "False", accepted
+    finally:
+        (path.parent / ".tampered").write_bytes(genuine)
+        (path.parent / ".tampered").rename(path)
+        for pod in (tamper, symlinked, worker):
+            await _release(cluster, pod)
+
+
+# -- markers any process can forge ------------------------------------------------------------------
+
+async def test_a_forged_helper_marker_changes_nothing(cluster: LocalCluster, env: Env) -> None:
+    pod = env.pod("worker")
+    in_pod = marked_in_pod(pod)
+    assert len(in_pod) == 1, f"the worker's own forged helper runs in its tree: {in_pod}"
+    on_node = start_forged_on_node(env.work, pod.uid)
+    forged = {pid: start_ticks(pid) for pid in (*in_pod, on_node.pid)}
+    await cluster.api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
+    try:
+        asleep, awake = await _cycle(cluster, env, pod)
+        # no wait for a "helper", no HelperTimeout for it: the agent did not take either for one
+        assert _steps(asleep, "lastCapture") == ["quiesce", "save", "settle-suspended"], asleep["status"]
+        assert _steps(awake, "lastWake") == ["wake", "resume", "settle-active"], awake["status"]
+        assert {pid: start_ticks(pid) for pid in forged} == forged, "a forged process was killed"
+    finally:
+        on_node.kill()
+        on_node.wait(timeout=10)
+        await _release(cluster, pod)
+
+
+async def test_a_helper_an_earlier_agent_left_past_its_bound_is_killed_through_the_registry(
+        cluster: LocalCluster, env: Env) -> None:
+    api, pod = cluster.api, env.pod("worker")
+    forged = {pid: start_ticks(pid) for pid in marked_in_pod(pod)}
+    await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
+    try:
+        await wait_ws(api, pod, "Accepted, Active", state_is("Active"), agents=[env.agent])
+        await quiesce(cluster, pod, serving=False)
+        env.driver.control(f"hang cuCheckpointProcessCheckpoint * {HANG_MS}")
+        await set_desired(api, pod, "Suspended")
+
+        async def saving() -> list[int] | None:
+            pids = [h.pid for h in helpers_of(pod) if h.op == "save"]
+            return pids or None
+        save = await eventually("the save's dynsnap-cuda running", saving, timeout=60)
+        await kill_agent(env.agent)
+        await env.agent.start()  # finds the save through the registry, waits, then kills it past its bound
+        ws = await wait_ws(api, pod, "HelperTimeout", lambda ws: ((ws.get("status") or {}).get("lastError") or {})
+                           .get("reason") == P.Reason.HELPER_TIMEOUT.value, timeout=HELPER_BOUND_S + 90,
+                           agents=[env.agent])
+        err = ws["status"]["lastError"]
+        assert err["step"] == "wait-helper" and f"past its {HELPER_BOUND_S} s bound; killed" in err["message"], err
+        assert f"{pod.uid}/save" in err["message"], err
+        assert not [h for h in helpers_of(pod) if h.pid in save], "the helper was killed"
+        assert {pid: start_ticks(pid) for pid in forged} == forged, "only the recorded helper was signalled"
+        unhang(env.driver)
+        await set_desired(api, pod, "Active")
+        await wait_ws(api, pod, "rolled back, Active", state_is("Active", suspended=False), agents=[env.agent])
+        await quiesce(cluster, pod, serving=True)
+        await _pinned(env, "worker")
+    finally:
+        env.driver.clear_faults()
+        if env.agent.proc is None:
+            await env.agent.start()
+        await _release(cluster, pod)
+
