@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.mutation.runner import Edit, Suite, main, mutation
 
 EXECUTOR = "dynsnap/agent/executor.py"
+CAPTURE_STEPS = "dynsnap/agent/capture_steps.py"
+WAKE_STEPS = "dynsnap/agent/wake_steps.py"
 ADMISSION = "dynsnap/agent/admission.py"
 CUDA = "dynsnap/agent/cuda.py"
 IMAGES = "dynsnap/agent/images.py"
@@ -70,21 +72,21 @@ STALE_RECORD = U_HELPERS + "test_a_record_whose_process_is_another_is_stale_and_
 
 MUTATIONS = (
     mutation(
-        "no-completeness-guard", "the completeness guard finds nothing missing after a dump", EXECUTOR,
-        "        missing = sorted(gpu_ns - image_pids(staging))\n",
-        "        missing = sorted(gpu_ns - gpu_ns)\n",
+        "no-completeness-guard", "the completeness guard finds nothing missing after a dump", CAPTURE_STEPS,
+        "    missing = sorted(gpu_ns - image_pids(staging))\n",
+        "    missing = sorted(gpu_ns - gpu_ns)\n",
         tests=[GPU_MISSING]),
     mutation(
         "no-pid-reservation-check", "a snapshot is taken without the pid reservation (both of its checks gone)",
-        EXECUTOR,
-        '        if not w.info.get("pid_reserved"):\n',
-        '        if False:\n',
-        more=[Edit(EXECUTOR, "        low = W.pids_below_floor(w)\n", "        low: list[int] = []\n")],
+        CAPTURE_STEPS,
+        '    if not w.info.get("pid_reserved"):\n',
+        '    if False:\n',
+        more=[Edit(CAPTURE_STEPS, "    low = W.pids_below_floor(w)\n", "    low: list[int] = []\n")],
         tests=[PIDFLOOR]),
     mutation(
-        "no-serving-check", "a capture proceeds while the worker is in serving", EXECUTOR,
-        "            why = await gate(w)\n",
-        "            why = None\n",
+        "no-serving-check", "a capture proceeds while the worker is in serving", CAPTURE_STEPS,
+        "        why = await c.gate(w)\n",
+        "        why = None\n",
         tests=[EXEC_SERVING, SERVING]),
     mutation(
         "no-uid-check", "a WorkerSnapshot naming another pod's UID is acted on", ADMISSION,
@@ -92,9 +94,9 @@ MUTATIONS = (
         "    if False:\n",
         tests=[ADMIT_UNIT, WRONG_UID]),
     mutation(
-        "no-multi-gpu-refusal", "NCCL ranks without the settings the driver needs are captured", EXECUTOR,
-        "        unsafe = W.unsafe_multi_gpu(w, self.proc)\n",
-        "        unsafe = None\n",
+        "no-multi-gpu-refusal", "NCCL ranks without the settings the driver needs are captured", CAPTURE_STEPS,
+        "    unsafe = W.unsafe_multi_gpu(w, ex.proc)\n",
+        "    unsafe = None\n",
         tests=[NCCL]),
     mutation(
         "no-rollback-after-failed-save", "a failed save leaves the GPU processes as it left them", CUDA,
@@ -104,9 +106,9 @@ MUTATIONS = (
                    "        if False:\n            await self.action(\"unlock\"")],
         tests=[HELPER_HANG, LOCK_TIMEOUT]),
     mutation(
-        "no-restore-pid-check", "CRIU is asked to restore over pids that are taken", EXECUTOR,
-        "        taken = sorted(wanted & {p.ns_pid for p in w.procs})\n",
-        "        taken: list[NsPid] = []\n",
+        "no-restore-pid-check", "CRIU is asked to restore over pids that are taken", WAKE_STEPS,
+        "    taken = sorted(wanted & {p.ns_pid for p in w.procs})\n",
+        "    taken: list[NsPid] = []\n",
         tests=[PIDS_TAKEN]),
     mutation(
         "squatter-is-the-worker", "any process on the worker's pid is taken for the woken worker", EXECUTOR,
@@ -114,13 +116,13 @@ MUTATIONS = (
         "        return True\n",
         tests=[PIDS_TAKEN + "[root]"]),
     mutation(
-        "no-io-uring-preflight", "a worker holding an io_uring descriptor goes to CRIU", EXECUTOR,
-        "        rings = W.io_uring_holders(w, self.proc)\n        if rings:\n            raise StepFailure("
+        "no-io-uring-preflight", "a worker holding an io_uring descriptor goes to CRIU", CAPTURE_STEPS,
+        "    rings = W.io_uring_holders(w, ex.proc)\n    if rings:\n        raise StepFailure("
         "Reason.IO_URING_IN_USE, f\"processes holding io_uring (CRIU cannot dump it): {rings}\",\n"
-        "                              changed=False)\n",
-        "        rings: list[int] = []\n        if rings:\n            raise StepFailure("
+        "                          changed=False)\n",
+        "    rings: list[int] = []\n    if rings:\n        raise StepFailure("
         "Reason.IO_URING_IN_USE, f\"processes holding io_uring (CRIU cannot dump it): {rings}\",\n"
-        "                              changed=False)\n",
+        "                          changed=False)\n",
         tests=[IO_URING]),
     mutation(
         "no-disk-budget", "a capture over the node's image budget starts", IMAGES,
@@ -180,9 +182,9 @@ MUTATIONS = (
         "threads=found[-1][1], processes=len(found))\n",
         tests=["tests/unit/test_agent_criu.py"]),
     mutation(
-        "pages-read-not-reported", "the restore step does not say how CRIU read the pages", EXECUTOR,
-        "        info[\"pagesRead\"] = vars(res.pages_read) if res.pages_read else None\n",
-        "        info[\"pagesRead\"] = None\n",
+        "pages-read-not-reported", "the restore step does not say how CRIU read the pages", WAKE_STEPS,
+        "    c.info[\"pagesRead\"] = vars(res.pages_read) if res.pages_read else None\n",
+        "    c.info[\"pagesRead\"] = None\n",
         tests=["tests/native/test_agent_exec.py::test_a_snapshot_wake_reads_the_pages_back_with_several_threads"]),
     # -- issue 18: paths inside a container --------------------------------------------------------
     mutation(

@@ -19,7 +19,7 @@ from typing import Any
 from dynsnap.agent import idle as I
 from dynsnap.agent import worker as W
 from dynsnap.agent.admission import pod_serving_gate
-from dynsnap.agent.executor import ServingGate
+from dynsnap.agent.steps import ServingGate
 from dynsnap.k8s.client import Kube
 from dynsnap.k8s.errors import K8sError
 from dynsnap.models import protocol as P

@@ -17,9 +17,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from dynsnap.agent.admission import Verdict
-from dynsnap.agent.executor import Observation, StepFailure, StepResult
 from dynsnap.agent.images import new_capture_id
 from dynsnap.agent.plan import CAPTURE_STEPS, WAKE_STEPS, Step
+from dynsnap.agent.steps import Observation, StepFailure, StepResult
 from dynsnap.models import protocol as P
 from dynsnap.models.protocol import ConditionType as CT
 from dynsnap.models.protocol import DesiredState, ObservedState, Reason, Tier

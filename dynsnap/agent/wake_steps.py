@@ -1,0 +1,148 @@
+"""The steps of a wake: the entrypoint to ``restoring``; for tier snapshot the restore (CRIU puts the
+tree back into the same pod, at the same pids, after the pid and free-GPU-memory checks; after a long
+sleep the worker's API-server connections are reset); the resume (restore + unlock of every GPU process
+by one helper) or the unlock of processes left locked; the settle to ``active``; and, when nothing can
+bring the worker back in place, the give-up.
+
+Layer: ``dynsnap.agent``. Each handler takes the executor (its helpers and bounds) and the call, does one
+thing, records what it found in ``call.info``, and raises :class:`~dynsnap.agent.steps.StepFailure`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from dynsnap.agent import worker as W
+from dynsnap.agent.container import ContainerRefused
+from dynsnap.agent.criu import CriuError, NamespaceTarget, criu_restore, image_pids
+from dynsnap.agent.cuda import CudaError
+from dynsnap.agent.entrypoint_control import EntrypointError
+from dynsnap.agent.steps import PIDS_FILE, StepCall, StepFailure
+from dynsnap.models.ids import NsPid
+from dynsnap.models.protocol import EntrypointState, Reason
+from dynsnap.runtime import procfs
+from dynsnap.runtime.command import CommandError, find_tool, run_command
+
+if TYPE_CHECKING:
+    from dynsnap.agent.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+async def wake(ex: Executor, c: StepCall) -> None:
+    await ex.request(c.obs, EntrypointState.RESTORING)
+
+
+def gpu_need(meta: dict[str, Any]) -> dict[str, int]:
+    """The GPU bytes a capture freed, per GPU UUID: what a wake needs free again."""
+    return {str(u): int(b) for u, b in (meta.get("gpuFreed") or {}).items() if int(b) > 0}
+
+
+async def restore(ex: Executor, c: StepCall) -> None:
+    w, obs = c.obs.worker, c.obs
+    source = obs.capture.path if obs.capture is not None else obs.staging
+    if source is None:
+        raise StepFailure(Reason.IMAGE_MISSING, "no capture of this container to restore from")
+    meta = obs.capture.manifest if obs.capture is not None else json.loads((source / PIDS_FILE).read_text())
+    if meta.get("started", meta.get("entrypointStarted")) != w.info.get("started"):
+        raise StepFailure(Reason.IMAGE_MISSING, "the capture was taken from an earlier container of this pod")
+    wanted = image_pids(source)
+    taken = sorted(wanted & {p.ns_pid for p in w.procs})
+    if taken:
+        holders = [f"{p.ns_pid}:{p.name}" for p in w.procs if p.ns_pid in taken]
+        raise StepFailure(Reason.PIDS_IN_USE, f"the capture's pids are taken in the pod's namespace: {holders}; "
+                          "CRIU restores pids exactly", changed=False)
+    need = gpu_need(meta)
+    if need:
+        free = {g.uuid: g.free for g in await ex.cuda.mem_info() if g.free is not None}
+        short = {u: (free[u], b) for u, b in need.items() if u in free and free[u] < b}
+        if short:
+            raise StepFailure(Reason.NOT_ENOUGH_GPU_MEMORY, "GPU free memory below what the capture freed: " +
+                              ", ".join(f"{u}: {f} < {b} bytes" for u, (f, b) in short.items()), changed=False)
+    try:
+        res = await criu_restore(NamespaceTarget(w.entrypoint), source, opts=ex.criu_opts(c.subject, w),
+                                 timeout=ex.settings.criu_timeout)
+    except CriuError as e:
+        reason = {"pid_taken": Reason.PIDS_IN_USE, "timeout": Reason.HELPER_TIMEOUT}.get(
+            e.cause, Reason.CRIU_RESTORE_FAILED)
+        raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.summary[-3000:]}") from e
+    c.info["criuSeconds"] = res.seconds
+    c.info["source"] = str(source)
+    # How CRIU read the pages back: threads (hack/patches/criu/0002) or stock's loop (None)
+    c.info["pagesRead"] = vars(res.pages_read) if res.pages_read else None
+    slept = _seconds_since(meta.get("created"))
+    limit = ex.settings.reset_apiserver_connections_after
+    if limit and slept is not None and slept > limit:
+        c.info["apiserverConnectionsReset"] = await reset_apiserver_connections(ex, w, NsPid(res.pid))
+
+
+async def reset_apiserver_connections(ex: Executor, w: W.WorkerProcs, root: NsPid) -> int:
+    """Reset the restored worker's TCP connections to the API server (``ss -K`` in the pod's network
+    namespace): after a long sleep they are half-open. Its client sees ECONNABORTED and watches again
+    at once. Best effort: a failure here leaves the worker serving, and its client's own read timeout
+    heals it later."""
+    host = procfs.host_pid_of(root, ns_inode=w.pidns, proc=ex.proc)
+    if host is None:
+        return 0
+    killed = 0
+    for ip, port in W.apiserver_endpoints(host, ex.proc):  # IP addresses and ports 1-65535 only
+        dst = f"[{ip}]" if ":" in ip else ip  # ss reads a bare IPv6 address as a prefix and fails
+        argv = [find_tool("nsenter"), "-t", str(w.entrypoint), "-n", "--", find_tool("ss"), "-K", "-t", "-n",
+                "dst", dst, "dport", "=", str(port)]
+        try:
+            res = await run_command(argv, timeout=10.0, check=False)
+        except CommandError as e:
+            log.warning("resetting the worker's API-server connections: %s", e)
+            continue
+        killed += sum(1 for line in res.stdout.splitlines()[1:] if line.strip())
+    log.info("reset %d connection(s) of the woken worker to the API server", killed)
+    return killed
+
+
+async def resume(ex: Executor, c: StepCall) -> None:
+    obs = c.obs
+    pids = [p for p, s in obs.gpu_states.items() if s == "checkpointed"]
+    extra: list[str] = []
+    if obs.capture is not None:  # after a CRIU restore the pids are new: the helper has no record of them
+        need = gpu_need(obs.capture.manifest)
+        if need:
+            extra = ["--need-bytes", str(max(need.values()))]
+    try:  # free memory before and after: read by the helper itself (see capture_steps.save)
+        c.info["helper"], c.info["gpus"] = await ex.cuda.action_measured(
+            "resume", pids, marker=f"{c.subject.uid}/resume", extra=extra)
+    except CudaError as e:
+        if e.refused_memory:
+            raise StepFailure(Reason.NOT_ENOUGH_GPU_MEMORY, str(e), changed=False) from e
+        raise StepFailure(Reason.HELPER_TIMEOUT if e.timed_out else Reason.RESTORE_FAILED, str(e)) from e
+
+
+async def unlock(ex: Executor, c: StepCall) -> None:
+    pids = [p for p, s in c.obs.gpu_states.items() if s == "locked"]
+    try:
+        await ex.cuda.action("unlock", pids, marker=f"{c.subject.uid}/unlock")
+    except CudaError as e:
+        raise StepFailure(Reason.HELPER_TIMEOUT if e.timed_out else Reason.RESTORE_FAILED, str(e)) from e
+
+
+async def settle_active(ex: Executor, c: StepCall) -> None:
+    await ex.request(c.obs, EntrypointState.ACTIVE)
+
+
+async def give_up(ex: Executor, c: StepCall) -> None:
+    # The tree is gone and nothing can bring it back in place: `active` with no worker makes
+    # the entrypoint exit 75, and kubelet starts the container cold. Said loudly, never hidden.
+    with contextlib.suppress(EntrypointError, ContainerRefused):  # it exits instead of acknowledging: the point
+        await c.obs.worker.control.request(EntrypointState.ACTIVE, timeout=ex.settings.entrypoint_timeout)
+    raise StepFailure(Reason.WORKER_LOST, "the worker tree is gone and no capture can restore it in place: "
+                      "the container restarts cold")
+
+
+def _seconds_since(iso: Any) -> float | None:
+    try:
+        return (datetime.now(UTC) - datetime.fromisoformat(str(iso))).total_seconds()
+    except (TypeError, ValueError):
+        return None
