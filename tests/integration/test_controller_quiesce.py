@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from controllerenv import CtlEnv, asleep, events_for, get_ws, history, policy, running
+from controllerenv import CtlEnv, asleep, events_for, get_ws, history, policy, running, verified_after
 from fake_held_link import HeldLink
 
 from dynsnap.k8s.client import Obj
@@ -212,6 +212,12 @@ def counted(events: list[Obj], reason: str) -> int:
     return sum(int((e.get("series") or {}).get("count") or 1) for e in events if e["reason"] == reason)
 
 
+async def wake_by_hand(env: CtlEnv, pod: RunningPod) -> None:
+    """What ``dynsnap wake POD`` writes (here as the test's admin)."""
+    await env.api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "active"}}},
+                              namespace=pod.namespace)
+
+
 async def test_no_capture_while_the_frontend_cannot_say_it_stopped_routing(cluster: LocalCluster) -> None:
     async with running(cluster, graph("quiesce-fe-down"),
                        controller_args=["--quiesce-timeout", str(QUIESCE_TIMEOUT), "--verify-request-timeout", "2"]
@@ -221,11 +227,22 @@ async def test_no_capture_while_the_frontend_cannot_say_it_stopped_routing(clust
         for p in (pod, peer):
             await env.fe.wait_routable(instance_id_from_dwm(await env.api.get(R.DWMS, p.name, namespace=p.namespace)))
         async with history(env.api, R.WORKER_SNAPSHOTS, pod) as wss:
-            with stopped(env.graph.frontend):
-                await suspend_by_hand(env, pod)
-                # The endpoint goes not ready (the controller sees it), but the frontend answers nothing:
-                # a timeout is no refusal, so no capture, and the quiesce ends at its deadline.
-                await assert_called_off(env, pod, wss, ["gate", "endpoint-not-ready"])
+            # One whole cycle first (captured, woken, verified): the controller has the graph's model
+            # from the frontend, so below it does ask the frontend about the worker itself.
+            await suspend_by_hand(env, pod)
+            await captured_after_all_steps(env, pod)
+            since = (((await get_ws(env.api, pod)) or {}).get("status") or {}).get("lastWake", {}).get("id")
+            await wake_by_hand(env, pod)
+
+            async def woken() -> bool:
+                return verified_after(since)(await get_ws(env.api, pod))
+            await wait_for(f"{pod.name} woken and verified", woken, timeout=120, interval=0.3)
+            async with history(env.api, R.WORKER_SNAPSHOTS, pod) as since_stopped:
+                with stopped(env.graph.frontend):
+                    await suspend_by_hand(env, pod)
+                    # The endpoint goes not ready (the controller sees it), but the frontend answers
+                    # nothing: a timeout is no refusal, so no capture, and the quiesce ends at its deadline.
+                    await assert_called_off(env, pod, since_stopped, ["gate", "endpoint-not-ready"])
             # The frontend back: the recall is verified, the override asks again, and this time the
             # frontend refuses the instance; only then is the capture asked for.
             await captured_after_all_steps(env, pod)
@@ -234,5 +251,5 @@ async def test_no_capture_while_the_frontend_cannot_say_it_stopped_routing(clust
             assert refusal.status == 400 and refusal.body == {"message": "Invalid request", "type": "Bad Request",
                                                               "code": 400}, json.dumps(refusal.body)
         quiesces = {quiesce_of(v).get("id") for v in wss if quiesce_of(v).get("id")}
-        assert len(quiesces) >= 2, quiesces  # the one called off, and the one captured
+        assert len(quiesces) == 3, quiesces  # captured, called off, captured
         assert counted(await events_for(env.api, pod.namespace, pod.name), "Quiescing") == len(quiesces)

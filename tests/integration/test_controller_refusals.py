@@ -131,6 +131,9 @@ async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_
             ws = await wait_ws(env, pod, f"refused {reason}, back in serving, verified", back_after_refusal(reason),
                                timeout=180)
             ref = record(ws)["refusal"]
+            # For the record (docs): from the agent's refusal to the return proven, by the records' clocks.
+            print(f"{pod.name}: refused {ref['reason']} at {ref['at']}, back in serving (verified) at "
+                  f"{record(ws)['verification']['finished']}")
             assert ref["podUID"] == pod.uid and ref["generation"] == ws["metadata"]["generation"]
             assert ref["captureId"] == record(ws)["capture"]["id"] and record(ws)["capture"]["ok"] is False
             assert record(ws)["capture"]["error"]["reason"] == reason

@@ -187,7 +187,8 @@ MUTATIONS = (
         "place)", FLEET,
         "    if verification_failed(ws):\n        return Phase.BROKEN\n",
         "",
-        tests=[WAKE_FAILS + "[corrupted-restart]"]),
+        # with on-failed-wake none the failed pod stays (restart deletes it, which makes room anyway)
+        tests=[WAKE_FAILS + "[deleted-none]"]),
     mutation(
         "refusal-retried", "a permanent refusal is waited out like any failure (the worker out of serving until "
         "the capture deadline)", PHASES,
