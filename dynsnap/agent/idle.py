@@ -8,20 +8,18 @@ Layer: ``dynsnap.agent``. :func:`parse_metrics` and :func:`advance` are pure.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import httpx
 
 from dynsnap.models.workersnapshot import IdleFacts
+from dynsnap.telemetry import promtext
 
 # Dynamo 1.6.1 worker metrics (its system port). In-flight is a gauge per endpoint; requests a
 # counter per endpoint. Every series of the worker is summed: the worker is idle only when all are.
 INFLIGHT = "dynamo_component_inflight_requests"
 REQUESTS = "dynamo_component_requests_total"
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 @dataclass(frozen=True)
@@ -35,31 +33,13 @@ class MetricsUnavailable(RuntimeError):
 
 
 def parse_metrics(text: str) -> Sample:
-    """Sum of the in-flight gauge and of the request counter over all their series."""
-    inflight = requests = 0.0
-    seen = set()
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, value = m.group(1), m.group(3)
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if math.isnan(v):
-            continue
-        if name == INFLIGHT:
-            inflight += v
-            seen.add(name)
-        elif name == REQUESTS:
-            requests += v
-            seen.add(name)
-    if INFLIGHT not in seen:
+    """Sum of the in-flight gauge and of the request counter over all their series (read by
+    ``dynsnap.telemetry.promtext``: NaN, infinite and negative values are left out)."""
+    found = promtext.samples(text, (INFLIGHT, REQUESTS))
+    inflight = promtext.total(found, INFLIGHT)
+    if inflight is None:
         raise MetricsUnavailable(f"the worker's metrics have no {INFLIGHT} series")
-    return Sample(inflight=int(inflight), requests=requests)
+    return Sample(inflight=int(inflight), requests=promtext.total(found, REQUESTS) or 0.0)
 
 
 async def scrape(url: str, *, timeout: float = 3.0) -> Sample:

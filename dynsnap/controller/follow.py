@@ -23,21 +23,18 @@ import asyncio
 import contextlib
 import io
 import json
-import os
-import re
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-import yaml
-
 from dynsnap.controller import timeline as TL
 from dynsnap.controller import userview as U
 from dynsnap.controller.progress import ANNOTATION_VALUE, FAILED, OK, TIMEOUT, USAGE, Outcome, Tracker
+from dynsnap.controller.session import UsageError, check_name, connect, explain, preflight
 from dynsnap.k8s.client import Kube, Obj
-from dynsnap.k8s.errors import ConfigError, Forbidden, Invalid, K8sError, NotFound, RetryExhausted, Unauthorized
+from dynsnap.k8s.errors import Invalid, K8sError, NotFound
 from dynsnap.k8s.informer import Informer
 from dynsnap.k8s.store import DELETED
 from dynsnap.k8s.times import now as utcnow
@@ -53,77 +50,6 @@ POD_READS: Final = 16
 # `dynsnap wake --all` follows this many workers at once (one watch each): a fleet of thousands does
 # not open thousands of watches at once, and every wake was requested before any is followed.
 FOLLOW_AT_ONCE: Final = 16
-
-
-class UsageError(Exception):
-    """Bad input or a refused request, found before anything changed (exit 2)."""
-
-
-# -- connecting ---------------------------------------------------------------------------------------
-
-def _kubeconfig_path(explicit: str | None) -> str | None:
-    """--kubeconfig, then $KUBECONFIG (its first file), then ~/.kube/config when it exists, as kubectl."""
-    if explicit:
-        if not Path(explicit).is_file():
-            raise UsageError(f"kubeconfig {explicit} does not exist")
-        return explicit
-    env = os.environ.get("KUBECONFIG", "")
-    first = next((p for p in env.split(os.pathsep) if p), None)
-    if first:
-        if not Path(first).is_file():
-            raise UsageError(f"kubeconfig {first} (from $KUBECONFIG) does not exist")
-        return first
-    home = Path.home() / ".kube" / "config"
-    return str(home) if home.is_file() else None
-
-
-def _context_namespace(path: str) -> str | None:
-    """The namespace of the kubeconfig's current context, if it names one."""
-    try:
-        cfg = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None
-    current = cfg.get("current-context")
-    for ctx in cfg.get("contexts") or []:
-        if ctx.get("name") == current:
-            ns = (ctx.get("context") or {}).get("namespace")
-            return str(ns) if ns else None
-    return None
-
-
-async def connect(kubeconfig: str | None) -> tuple[Kube, str]:
-    """A client (kubeconfig, else in-cluster) and the namespace commands default to."""
-    path = _kubeconfig_path(kubeconfig)
-    ns = _context_namespace(path) if path is not None else None
-    try:
-        if path is not None:
-            kube = await Kube.from_kubeconfig(path, field_manager=P.CLI_FIELD_MANAGER)
-            return kube, ns or "default"
-        kube = Kube.in_cluster(field_manager=P.CLI_FIELD_MANAGER)
-    except ConfigError as e:
-        raise UsageError(f"no cluster to talk to: pass --kubeconfig or set KUBECONFIG ({e})") from e
-    except UsageError:
-        raise
-    except Exception as e:  # kubernetes_asyncio's own config errors: a bad file, an unknown context
-        raise UsageError(f"kubeconfig {path}: {type(e).__name__}: {e}") from e
-    return kube, kube.namespace or "default"
-
-
-def explain(e: BaseException) -> str:
-    """A refused or failed request in words a person can act on."""
-    if isinstance(e, Forbidden):
-        return (f"forbidden: {e.message} (the dynsnap-user ClusterRole of deploy/rbac/user.yaml grants what "
-                "these commands need)")
-    if isinstance(e, Unauthorized):
-        return f"unauthorized: the API server refused these credentials ({e.message})"
-    if isinstance(e, RetryExhausted):
-        return f"cannot reach the API server: {e.last}"
-    return f"{type(e).__name__}: {e}"
-
-
-def check_name(what: str, value: str, pattern: str) -> None:
-    if not re.match(pattern, value) or len(value) > 253:
-        raise UsageError(f"{what} {value!r} is not a valid Kubernetes name")
 
 
 # -- status ----------------------------------------------------------------------------------------
@@ -160,24 +86,13 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
-async def _preflight(kube: Kube, namespace: str | None) -> None:
-    """One cheap list, so that a refusal (RBAC, no CRD) is an error now, not an informer retrying."""
-    try:
-        await kube.list(R.WORKER_SNAPSHOTS, namespace=namespace, limit=1)
-    except NotFound as e:
-        raise UsageError("the WorkerSnapshot CRD is not installed in this cluster "
-                         "(`dynsnap crd | kubectl apply -f -`)") from e
-    except K8sError as e:
-        raise UsageError(explain(e)) from e
-
-
 async def status(kube: Kube, *, namespace: str | None, watch: bool, output: str, out: TextIO, err: TextIO,
                  stop: asyncio.Event | None = None) -> int:
     """Print the table (or JSON) of the workers in ``namespace`` (None: all); with ``watch``, then every
     changed row, until ``stop`` is set (SIGINT/SIGTERM set it)."""
     if namespace is not None:
         check_name("namespace", namespace, DNS1123_LABEL)
-    await _preflight(kube, namespace)
+    await preflight(kube, namespace)
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
     pods = _Pods(kube)
@@ -425,7 +340,7 @@ async def wake_all(kube: Kube, *, namespace: str | None, timeout: float, follow:
     started = clock()
     if namespace is not None:
         check_name("namespace", namespace, DNS1123_LABEL)
-    await _preflight(kube, namespace)
+    await preflight(kube, namespace)
     where = f"namespace {namespace}" if namespace else "every namespace"
     wss = sorted(await _managed(kube, namespace),
                  key=lambda w: (w["metadata"]["namespace"], (w.get("spec") or {}).get("podName") or ""))

@@ -1,4 +1,6 @@
-"""What the controller asks a Dynamo frontend (ai-dynamo 1.6.1), over HTTP with bounded retries:
+"""What the controller asks a Dynamo frontend (ai-dynamo 1.6.1), over HTTP, its GETs retried by the
+named policy ``dynsnap.k8s.retry.FRONTEND`` (attempts and total time capped, ``DYNSNAP_RETRY_INSTANT``
+honoured):
 
 - demand: ``/metrics`` -> ``dynamo_frontend_inflight_requests`` and ``dynamo_frontend_queued_requests``
   summed over the models it serves (gauges; DESIGN.md section 3.1: the controller scrapes only
@@ -20,22 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-import re
+import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 
 from dynsnap.controller.plan import Demand
+from dynsnap.k8s.errors import RetryExhausted
+from dynsnap.k8s.retry import FRONTEND, RetryPolicy
 from dynsnap.models import protocol as P
 from dynsnap.models.dynamo import worker_ids_from
 from dynsnap.models.ids import InstanceId
+from dynsnap.telemetry import promtext
+
+T = TypeVar("T")
 
 INFLIGHT = "dynamo_frontend_inflight_requests"
 QUEUED = "dynamo_frontend_queued_requests"
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 class FrontendError(RuntimeError):
@@ -43,35 +50,16 @@ class FrontendError(RuntimeError):
 
 
 def parse_demand(text: str) -> Demand:
-    """In-flight and queued requests over every model (pure). Missing series count as 0; a page
-    with no frontend metric at all is not a frontend's."""
-    inflight = queued = 0.0
-    seen = False
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, value = m.group(1), m.group(3)
-        if name not in (INFLIGHT, QUEUED):
-            continue
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if not math.isfinite(v) or v < 0:
-            continue  # NaN, Inf or a negative gauge is no demand figure (and would break the planner's ceil)
-        seen = True
-        if name == INFLIGHT:
-            inflight += v
-        else:
-            queued += v
+    """In-flight and queued requests over every model (pure; read by ``dynsnap.telemetry.promtext``,
+    which leaves out NaN, infinite and negative values: no demand figure, and they would break the
+    planner's ceil). Missing series count as 0; a page with no frontend metric at all is not a
+    frontend's."""
+    found = promtext.samples(text, (INFLIGHT, QUEUED))
     # The gauges appear only once a model has been asked for; before that any dynamo_frontend_
     # series (or its HELP line) says it is a frontend's page, with nothing in flight.
-    if not seen and "dynamo_frontend_" not in text:
+    if not found and "dynamo_frontend_" not in text:
         raise FrontendError(f"no {INFLIGHT} or {QUEUED} series, and no dynamo_frontend_ metric at all")
-    return Demand(inflight=inflight, queued=queued)
+    return Demand(inflight=promtext.total(found, INFLIGHT) or 0.0, queued=promtext.total(found, QUEUED) or 0.0)
 
 
 @dataclass(frozen=True)
@@ -239,39 +227,45 @@ class Frontend:
     """One client for every frontend the controller talks to: httpx (connection pool shared) for
     the rare requests (models, pinned requests), :class:`MetricsScraper` for the demand scrape."""
 
-    def __init__(self, *, timeout: float = 10.0, attempts: int = 3) -> None:
+    def __init__(self, *, timeout: float = 10.0, attempts: int = FRONTEND.attempts) -> None:
         self.http = httpx.AsyncClient(timeout=timeout, trust_env=False)
         self.scraper = MetricsScraper(timeout=timeout)
-        self.attempts = attempts
+        # Each GET within the whole policy: its attempts, and at least one whole timeout per attempt.
+        self.retry: RetryPolicy = dataclasses.replace(FRONTEND, attempts=attempts,
+                                                      timeout=max(FRONTEND.timeout, timeout * attempts))
 
     async def close(self) -> None:
         await self.scraper.close()
         await self.http.aclose()
 
+    async def _retried(self, url: str, once: Callable[[], Awaitable[T]]) -> T:
+        """``once`` under the frontend retry policy (dynsnap.k8s.retry.FRONTEND): a request that got
+        no answer (``once`` raises ConnectionError) is tried again; a FrontendError when none did."""
+        try:
+            return await self.retry.call(f"GET {url}", once)
+        except RetryExhausted as e:
+            raise FrontendError(f"GET {url}: {e.last}") from e
+
     async def _get(self, url: str) -> httpx.Response:
-        last: Exception | None = None
-        for i in range(self.attempts):
+        async def once() -> httpx.Response:
             try:
                 return await self.http.get(url)
             except httpx.HTTPError as e:
-                last = e
-                await asyncio.sleep(0.1 * (2 ** i))
-        raise FrontendError(f"GET {url}: {type(last).__name__}: {last}")
+                raise ConnectionError(f"{type(e).__name__}: {e}") from e
+        return await self._retried(url, once)
 
     async def demand(self, base: str) -> Demand:
         url = f"{base}/metrics"
-        last: ScrapeError | None = None
-        for i in range(self.attempts):
+
+        async def once() -> tuple[int, str]:
             try:
-                status, text = await self.scraper.get(url)
+                return await self.scraper.get(url)
             except ScrapeError as e:
-                last = e
-                await asyncio.sleep(0.1 * (2 ** i))
-                continue
-            if status != 200:
-                raise FrontendError(f"GET {url}: HTTP {status}")
-            return parse_demand(text)
-        raise FrontendError(f"GET {url}: {last}")
+                raise ConnectionError(str(e)) from e
+        status, text = await self._retried(url, once)
+        if status != 200:
+            raise FrontendError(f"GET {url}: HTTP {status}")
+        return parse_demand(text)
 
     async def models(self, base: str) -> list[str]:
         r = await self._get(f"{base}/v1/models")

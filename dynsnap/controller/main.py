@@ -189,7 +189,10 @@ class Controller:
                     self._touched(pod, always=typ != MODIFIED)
 
     def _on_dgd(self, typ: str, dgd: Obj) -> None:
-        self._enqueue_graph(f"{dgd['metadata'].get('namespace')}/{dgd['metadata']['name']}")
+        key = f"{dgd['metadata'].get('namespace')}/{dgd['metadata']['name']}"
+        if typ == DELETED:
+            self.reconciler.forget_graph(key)  # its model, demand and policy Events go with it
+        self._enqueue_graph(key)
 
     # -- demand -----------------------------------------------------------------------------------
 
@@ -252,6 +255,7 @@ class Controller:
         live = {f"{d['metadata'].get('namespace')}/{d['metadata']['name']}" for d in graphs}
         for k in set(self.reconciler.demand) - live:
             self.reconciler.demand.pop(k, None)
+        self.reconciler.ctx.models.prune(live)  # a graph no longer opted in (or gone) is asked afresh
 
     @staticmethod
     def _matters(dgd: Obj, before: Demand | None, after: Demand | None) -> bool:

@@ -19,7 +19,12 @@ Deterministic, so two reconciles of two workers of one component agree on who st
   first (cheapest), then sleeping workers are woken, most recently captured first.
 - The manual override wins over idleness and demand, except that ``suspended`` is refused with
   ``MinActive`` when it would leave fewer than ``min-active`` awake.
-- Lost workers (the pod must start them cold) and workers the agent refused are left alone.
+- Lost workers (the pod must start them cold), workers the agent refused and workers whose wake
+  failed are left alone, and counted as neither awake nor asleep: a failed wake's deficit is made
+  up by waking another worker.
+- A worker whose capture the agent refused for good (``sleep_refused``: a permanent refusal, still
+  standing for this pod, spec and policy) serves and is never chosen to sleep, not even by the
+  manual override (refused, with the refusal's reason).
 
 Layer: ``dynsnap.controller`` (pure: no I/O).
 """
@@ -32,7 +37,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from dynsnap.models.policy import Policy
-from dynsnap.models.protocol import DesiredState
+from dynsnap.models.protocol import DesiredState, Reason
 
 
 class Phase(StrEnum):
@@ -45,7 +50,7 @@ class Phase(StrEnum):
     CAPTURING = "Capturing"  # desiredState Suspended, capture under way
     ASLEEP = "Asleep"  # desiredState Suspended and captured
     WAKING = "Waking"  # desiredState Active, the agent is waking it
-    BROKEN = "Broken"  # lost, refused or failing: left alone by the planner
+    BROKEN = "Broken"  # lost, refused, or its wake failed: left alone by the planner, counted nowhere
 
 
 AWAKE_PHASES = frozenset({Phase.NEW, Phase.SERVING, Phase.STARTING, Phase.WAKING})
@@ -67,13 +72,15 @@ class WorkerView:
     last_capture: datetime | None = None
     override: str | None = None  # DesiredState value from dynsnap.io/desired-state
     serving_since: datetime | None = None  # its last verified return to serving (a wake or a recall)
+    sleep_refused: str | None = None  # why it is never asked to sleep: its capture was refused for good
 
 
 @dataclass(frozen=True)
 class Decision:
     want: Want
     why: str
-    refused: bool = False  # the override asked for something the policy does not allow
+    refused: bool = False  # the override asked for something that is not allowed
+    reason: Reason = Reason.MIN_ACTIVE  # the Warning Event's reason when ``refused``
     again_after: float | None = None  # look again then (an idle threshold still to cross)
 
 
@@ -98,6 +105,31 @@ def _idle_for(w: WorkerView, now: datetime) -> float | None:
         return None
     since = w.idle_since if w.serving_since is None else max(w.idle_since, w.serving_since)
     return (now - since).total_seconds()
+
+
+def _wakes(out: dict[str, Decision], *, awake: list[WorkerView], quiescing: list[WorkerView],
+           asleep: list[WorkerView], need: int, policy: Policy, demand: Demand | None) -> None:
+    """The deficit of awake workers made up: quiesces called off first (cheapest), then sleepers woken."""
+    active_override = DesiredState.ACTIVE.value
+    suspended_override = DesiredState.SUSPENDED.value
+    deficit = need - len(awake)
+    for w in quiescing:
+        if w.override == active_override:
+            out[w.name] = Decision(Want.AWAKE, "manual override: active")
+            deficit -= 1
+        elif deficit > 0 and w.override != suspended_override:
+            out[w.name] = Decision(Want.AWAKE, f"{len(awake)} awake of {need} needed: capture called off")
+            deficit -= 1
+    for w in asleep:
+        if w.override == active_override:
+            out[w.name] = Decision(Want.AWAKE, "manual override: active")
+            deficit -= 1
+        elif deficit > 0 and w.override != suspended_override:
+            why = (f"demand {demand.total:g} (in flight + queued) needs {need} awake at "
+                   f"{policy.wake_at_inflight:g} per worker; {need - deficit} awake or waking"
+                   if demand is not None else f"min-active {policy.min_active}")
+            out[w.name] = Decision(Want.AWAKE, why)
+            deficit -= 1
 
 
 def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: datetime) -> dict[str, Decision]:
@@ -126,30 +158,18 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
     ready = sum(1 for w in awake if w.phase == Phase.SERVING)
 
     # Wakes first: the deficit of awake workers is made up by calling off quiesces, then by waking.
-    deficit = need - len(awake)
-    for w in quiescing:
-        if w.override == active_override:
-            out[w.name] = Decision(Want.AWAKE, "manual override: active")
-            deficit -= 1
-        elif deficit > 0 and w.override != suspended_override:
-            out[w.name] = Decision(Want.AWAKE, f"{len(awake)} awake of {need} needed: capture called off")
-            deficit -= 1
-    for w in asleep:
-        if w.override == active_override:
-            out[w.name] = Decision(Want.AWAKE, "manual override: active")
-            deficit -= 1
-        elif deficit > 0 and w.override != suspended_override:
-            why = (f"demand {demand.total:g} (in flight + queued) needs {need} awake at "
-                   f"{policy.wake_at_inflight:g} per worker; {need - deficit} awake or waking"
-                   if demand is not None else f"min-active {policy.min_active}")
-            out[w.name] = Decision(Want.AWAKE, why)
-            deficit -= 1
+    _wakes(out, awake=awake, quiescing=quiescing, asleep=asleep, need=need, policy=policy, demand=demand)
 
     # Sleeps: only while the ready workers left stay at or above what is needed.
     for w in reversed(awake):  # the least wanted first
         idle = _idle_for(w, now)
         if w.override == active_override:
             out[w.name] = Decision(Want.AWAKE, "manual override: active")
+            continue
+        if w.sleep_refused is not None:
+            refused = w.override == suspended_override
+            out[w.name] = Decision(Want.AWAKE, ("manual override suspended refused: " if refused else "")
+                                   + w.sleep_refused, refused=refused, reason=Reason.CAPTURE_REFUSED)
             continue
         if w.override == suspended_override:
             if w.phase == Phase.SERVING and ready - 1 >= policy.min_active:

@@ -44,9 +44,23 @@ class ControllerSettings(BaseModel):
     quiesce_timeout: Annotated[float, Field(gt=0, description=(
         "Seconds a quiesce may take (serving gate False -> endpoint not ready, frontend no longer routing, "
         "nothing in flight) before it is called off and the worker put back into serving."))] = 120.0
+    capture_timeout: Annotated[float, Field(gt=0, description=(
+        "Seconds from asking for a capture (desiredState Suspended) until the agent must report it finished; "
+        "past it the capture is called off (desiredState Active, Warning Event CaptureTimedOut) and the worker "
+        "returns to serving. 900: beyond the agent's own bounds on a capture's slow steps (a dynsnap-cuda save "
+        "and a CRIU dump, 300 s each by default), so a wedged step is killed and reported by the agent first; "
+        "this catches an agent that reports nothing, or retries for ever."))] = 900.0
+    wake_timeout: Annotated[float, Field(gt=0, description=(
+        "Seconds from asking for a wake until the worker must be Active and verified; past it the wake is "
+        "failed (Verified=False WakeFailed, the policy's on-failed-wake applied) and the planner wakes another "
+        "worker in its place. 600: the agent's own bounds on a restore (CRIU and dynsnap-cuda, 300 s each) "
+        "plus the verification, far above a 16 GiB snapshot wake (17.7 s on an H200, docs/BENCHMARKS.md), "
+        "while a worker whose restore keeps failing does not hold the capacity it was woken for for longer."
+        ))] = 600.0
     verify_timeout: Annotated[float, Field(gt=0, description=(
-        "Seconds from a worker's wake until its verification must have passed (gate, endpoint ready, pinned "
-        "answers); past it the wake is failed and the fallback applied."))] = 120.0
+        "Seconds a verification may take from its start (the worker back in Active: identity, gate, endpoint "
+        "ready, pinned answers); past it the return is failed and the fallback applied. A wake as a whole is "
+        "bounded by the wake timeout too."))] = 120.0
     verify_request_timeout: Annotated[float, Field(gt=0, description=(
         "Seconds one pinned verification request may take (a frozen worker answers 504 after 5 s)."))] = 30.0
     health_port: Annotated[int, Field(ge=0, lt=65536, description=(

@@ -14,8 +14,10 @@ The columns:
   from the WorkerSnapshot first when it carries them, else from the pod.
 - STATE: ``status.state`` (Active, Capturing, Suspended, Waking, Lost, Unknown), with ``quiescing``
   while the controller's quiesce record is open (the worker is being taken out of serving before a
-  capture), ``degraded <Reason>`` while the Degraded condition is True, ``pod replaced`` when the
-  pod's UID is not the one the WorkerSnapshot names.
+  capture), ``degraded <Reason>`` while the Degraded condition is True, ``capture refused <Reason>``
+  while the controller's record holds a refusal of the agent's for this pod and spec
+  (``status.controller.refusal``: the worker is not asked to sleep again until the pod, its spec or
+  the policy changes), ``pod replaced`` when the pod's UID is not the one the WorkerSnapshot names.
 - IDLE FOR: since ``status.idle.idleSince``, the agent's last seen request ("-" while busy).
 - LAST CAPTURE, LAST WAKE: the total of the per-step seconds and how long ago it finished;
   ``running <step>`` while under way, ``FAILED <Reason>`` when it failed.
@@ -39,7 +41,7 @@ from pydantic import ValidationError
 
 from dynsnap.models import protocol as P
 from dynsnap.models.protocol import ConditionType, ObservedState
-from dynsnap.models.workersnapshot import Condition, OperationRecord, Verification, WorkerSnapshot
+from dynsnap.models.workersnapshot import Condition, OperationRecord, Refusal, Verification, WorkerSnapshot
 
 Obj = dict[str, Any]
 
@@ -119,6 +121,7 @@ class Row:
     pending: bool  # back in Active, and no verification of that return yet
     proof_current: bool  # ``proof`` is of the worker's latest return to serving (not history)
     invalid: str | None = None  # the object did not parse: why
+    refusal: Refusal | None = None  # a capture refused for good, standing for this pod and spec
 
     @property
     def key(self) -> str:
@@ -160,8 +163,16 @@ def row(ws: Obj, pod: Obj | None = None) -> Row:
         idle_since=st.idle.idle_since if st.idle is not None else None,
         inflight=st.idle.inflight if st.idle is not None else None,
         last_capture=Op.of(st.last_capture), last_wake=wake, proof=proof, pending=pending,
-        proof_current=current,
+        proof_current=current, refusal=_refusal(snap),
     )
+
+
+def _refusal(snap: WorkerSnapshot) -> Refusal | None:
+    """The controller's refusal on record, while it is for this pod and this spec."""
+    ref = snap.status.controller.refusal if snap.status.controller is not None else None
+    if ref is None or ref.pod_uid != snap.spec.pod_uid or ref.generation != snap.metadata.generation:
+        return None
+    return ref
 
 
 def _proof(snap: WorkerSnapshot, wake: Op | None) -> tuple[Proof | None, bool, bool]:
@@ -209,6 +220,8 @@ def state_cell(r: Row) -> str:
         notes.append("quiescing")
     if r.degraded:
         notes.append(f"degraded {r.degraded}")
+    if r.refusal is not None:
+        notes.append(f"capture refused {r.refusal.reason.value}")
     if r.pod_replaced:
         notes.append("pod replaced")
     base = r.state or NONE
@@ -289,6 +302,8 @@ def as_json(r: Row, now: datetime) -> Obj:
         "namespace": r.namespace, "pod": r.pod, "dgd": r.dgd, "component": r.component, "state": r.state,
         "desiredState": r.desired, "tier": r.tier, "quiescing": r.quiescing, "degraded": r.degraded,
         "podReplaced": r.pod_replaced, "invalid": r.invalid,
+        "captureRefused": None if r.refusal is None else {
+            "reason": r.refusal.reason.value, "message": r.refusal.message, "at": _iso(r.refusal.at)},
         "idleSince": _iso(r.idle_since), "inflight": r.inflight,
         "idleSeconds": round((now - r.idle_since).total_seconds(), 3) if r.idle_since and not r.inflight else None,
         "lastCapture": _op_json(r.last_capture), "lastWake": _op_json(r.last_wake),

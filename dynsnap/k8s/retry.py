@@ -183,3 +183,9 @@ DEFAULT = RetryPolicy("k8s-request")
 
 # No retries at all: for callers that run their own loop (the informer's list pages).
 NONE = RetryPolicy("k8s-once", attempts=1)
+
+# A Dynamo frontend's pages (its /metrics for demand, /v1/models), whose client raises
+# ConnectionError for a request that got no answer: three tries within two seconds. The demand
+# scrape runs again every scrape interval and a quiesce or verification asks again on its next
+# look, so a longer wait here would only hold up the scrape of the other graphs or a reconcile.
+FRONTEND = RetryPolicy("frontend-get", attempts=3, timeout=2.0, backoff=Backoff(base=0.1, cap=0.4))

@@ -203,6 +203,8 @@ class Reason(StrEnum):
     QUIESCED = "Quiesced"
     CAPTURE_REQUESTED = "CaptureRequested"
     WAKE_REQUESTED = "WakeRequested"
+    CAPTURE_REFUSED = "CaptureRefused"  # the agent refused the capture for a PERMANENT_REFUSALS reason
+    CAPTURE_TIMED_OUT = "CaptureTimedOut"  # the capture asked for was not reported finished in time
     GRAPH_DELETED = "GraphDeleted"
     POD_REPLACED = "PodReplaced"
     # Verified (controller): a wake is proven, or why it is not

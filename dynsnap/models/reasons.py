@@ -299,6 +299,24 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         POLICY, "normal", "Event on the pod (controller)",
         "Demand (or the manual override) wakes the worker: the controller set `spec.desiredState: Active`.",
         "Nothing; the wake is verified next."),
+    Reason.CAPTURE_REFUSED: ReasonDoc(
+        POLICY, "refusal",
+        "Warning Event on the pod; `status.controller.refusal`; `dynsnap status` shows `capture refused` (controller)",
+        "The agent refused the capture the controller asked for with a reason retrying cannot cure "
+        "(`SeccompOff`, `PidReservationMissing`, `UnsafeMultiGpu`, `DiskBudgetExceeded`; the note names it). "
+        "The worker was put back into serving at once (desiredState Active, verified like a called-off "
+        "quiesce) and the controller does not ask it to sleep again, not even for `dynsnap suspend`, until "
+        "the pod (its UID), its WorkerSnapshot's spec or the component's `dynsnap.io/` policy changes.",
+        "Fix what the agent's reason names (docs/operations.md has an entry for each), or change the policy "
+        "(e.g. `dynsnap.io/tier: suspend` for a refusal of tier snapshot); the next policy change, spec change "
+        "or a new pod makes the worker eligible again."),
+    Reason.CAPTURE_TIMED_OUT: ReasonDoc(
+        POLICY, "failure", "Warning Event on the pod; `status.controller.capture.error` (controller)",
+        "The agent did not report the capture it was asked for as finished within `--capture-timeout` (it "
+        "kept failing and retrying, or it reports nothing). The capture was called off: desiredState Active, "
+        "and the worker returns to serving (a wake, verified, if it had already gone to sleep).",
+        "Read the worker's `status.lastError` and the agent's log on its node; check that the node's agent "
+        "runs. Raise `--capture-timeout` only for workers whose captures really take that long."),
     Reason.GRAPH_DELETED: ReasonDoc(
         POLICY, "normal", "Event (controller)",
         "Reserved: a deleted graph's pods and WorkerSnapshots go with the garbage collector.",
@@ -354,9 +372,15 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "Check the graph's frontend pod and Service; the controller must reach it (network policies). The "
         "fallback applies."),
     Reason.WAKE_FAILED: ReasonDoc(
-        VERIFY, "failure", "`Verified=False` (controller)",
-        "Reserved: a failed wake is reported by the specific reason above.",
-        _RESERVED_ACTION, reserved=True),
+        VERIFY, "failure", "`Verified=False`; Warning Event on the pod (controller)",
+        "A wake did not end: the agent lost the worker (`WorkerLost`: its image gone, say), or the worker was "
+        "not Active and verified within `--wake-timeout` of the wake request (its restore kept failing: "
+        "`CriuRestoreFailed` ...; the message names the agent's last error). The worker no longer counts as "
+        "awake: the controller wakes another worker of the component in its place, and the policy's "
+        "`on-failed-wake` applies (`restart`: the pod deleted so it starts cold; `none`: left out of serving).",
+        "Read the agent's error in the message and `status.lastWake.error`; with `on-failed-wake: none` "
+        "delete the pod yourself once you have looked (a new pod starts cold). Raise `--wake-timeout` only "
+        "for workers whose restores really take that long."),
     Reason.COLD_RESTART: ReasonDoc(
         VERIFY, "failure", "Warning Event on the pod; `status.controller.verification.fallback` (controller)",
         "A wake was not verified and `dynsnap.io/on-failed-wake: restart` applies: the pod was deleted (with "

@@ -160,11 +160,34 @@ class Verification(_Model):
     fallback: Annotated[str | None, Field(description="What was done about a failed wake (ColdRestart).")] = None
 
 
+class Refusal(_Model):
+    """A capture the agent refused for a reason retrying cannot cure (``protocol.PERMANENT_REFUSALS``),
+    and what the refusal depends on: while the pod (its UID), the WorkerSnapshot's spec (its generation
+    once Active was asked back) and the component's policy (its hash) stay as recorded, the controller
+    does not ask this worker to sleep again."""
+
+    reason: Reason
+    message: Annotated[str, Field(max_length=4096)] = ""
+    at: datetime
+    capture_id: Annotated[str, Field(max_length=64, description="status.controller.capture.id that was refused.")]
+    pod_uid: Annotated[str, Field(alias="podUID")]
+    generation: Annotated[int | None, Field(ge=0, description=(
+        "metadata.generation once desiredState Active was asked back: a later spec change asks again."))] = None
+    policy_hash: Annotated[str, Field(max_length=64, description=(
+        "Hash of the component's parsed dynsnap.io/ policy: a policy change asks again."))]
+
+
 class ControllerRecord(_Model):
     """The controller's part of the status (field manager ``dynsnap``; the agent never writes it)."""
 
     identity: WorkerIdentity | None = None
     quiesce: OperationRecord | None = None
+    capture: Annotated[OperationRecord | None, Field(description=(
+        "The capture the controller asked for (desiredState Suspended): when it asked, and how it ended: ok once "
+        "the agent reported it captured; ok false with the error when it was refused, called off or past "
+        "its deadline."))] = None
+    refusal: Annotated[Refusal | None, Field(description=(
+        "The last capture the agent refused for good, and what that depends on (docs/CONTROLLER.md)."))] = None
     wake: Annotated[OperationRecord | None, Field(description=(
         "The last wake the controller asked for: when, and the trace it and the agent's wake steps join."))] = None
     verification: Verification | None = None

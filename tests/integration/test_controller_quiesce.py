@@ -10,26 +10,38 @@ pinned to it (it no longer routes there) *and* nothing is in flight. Two of them
   but the frontend still routes to the worker, and a pinned request is answered by it, so the quiesce
   is called off too.
 
+And the frontend's answer must be its explicit refusal of that instance (issue 18: fail closed):
+
+- the frontend unavailable mid-quiesce (its processes stopped, so the pinned request times out):
+  no answer is no refusal, nothing is captured, and the quiesce is called off at its deadline.
+
 Once the view catches up, the next quiesce passes all its steps and the worker is captured. The
 capture is asked for by hand (``dynsnap.io/desired-state: suspended``) with a serving peer, so
-min-active allows it and nothing else decides.
+min-active allows it and nothing else decides. Each quiesce is counted: the worker's Quiescing
+Event's ``series.count`` (or its Events) is the number of quiesces it went through.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from controllerenv import CtlEnv, asleep, events_for, get_ws, history, policy, running
+from controllerenv import CtlEnv, asleep, events_for, get_ws, history, policy, running, verified_after
 from fake_held_link import HeldLink
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.runtime import procfs
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
 from dynsnap.testenv.dynsnap_parts import StubDriver
@@ -176,3 +188,68 @@ async def test_no_capture_while_the_frontend_still_routes_to_the_worker(cluster:
             finally:
                 link.release()
             await captured_after_all_steps(env, pod)
+
+
+@contextlib.contextmanager
+def stopped(pod: RunningPod) -> Iterator[list[int]]:
+    """Every process of the pod stopped (SIGSTOP) for the block: it answers nothing, its connections
+    stay open (requests to it time out), then it carries on (SIGCONT)."""
+    ns = procfs.pid_ns(pod.sandbox.pid)
+    assert ns is not None, f"{pod.name}: not running"
+    pids = [p.pid for p in procfs.in_pid_ns(ns)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def counted(events: list[Obj], reason: str) -> int:
+    """How many times the Events of ``reason`` say it happened (each Event's series count, or 1)."""
+    return sum(int((e.get("series") or {}).get("count") or 1) for e in events if e["reason"] == reason)
+
+
+async def wake_by_hand(env: CtlEnv, pod: RunningPod) -> None:
+    """What ``dynsnap wake POD`` writes (here as the test's admin)."""
+    await env.api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "active"}}},
+                              namespace=pod.namespace)
+
+
+async def test_no_capture_while_the_frontend_cannot_say_it_stopped_routing(cluster: LocalCluster) -> None:
+    async with running(cluster, graph("quiesce-fe-down"),
+                       controller_args=["--quiesce-timeout", str(QUIESCE_TIMEOUT), "--verify-request-timeout", "2"]
+                       ) as env:
+        pod, peer = env.graph.workers("worker")
+        wid = instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
+        for p in (pod, peer):
+            await env.fe.wait_routable(instance_id_from_dwm(await env.api.get(R.DWMS, p.name, namespace=p.namespace)))
+        async with history(env.api, R.WORKER_SNAPSHOTS, pod) as wss:
+            # One whole cycle first (captured, woken, verified): the controller has the graph's model
+            # from the frontend, so below it does ask the frontend about the worker itself.
+            await suspend_by_hand(env, pod)
+            await captured_after_all_steps(env, pod)
+            since = (((await get_ws(env.api, pod)) or {}).get("status") or {}).get("lastWake", {}).get("id")
+            await wake_by_hand(env, pod)
+
+            async def woken() -> bool:
+                return verified_after(since)(await get_ws(env.api, pod))
+            await wait_for(f"{pod.name} woken and verified", woken, timeout=120, interval=0.3)
+            async with history(env.api, R.WORKER_SNAPSHOTS, pod) as since_stopped:
+                with stopped(env.graph.frontend):
+                    await suspend_by_hand(env, pod)
+                    # The endpoint goes not ready (the controller sees it), but the frontend answers
+                    # nothing: a timeout is no refusal, so no capture, and the quiesce ends at its deadline.
+                    await assert_called_off(env, pod, since_stopped, ["gate", "endpoint-not-ready"])
+            # The frontend back: the recall is verified, the override asks again, and this time the
+            # frontend refuses the instance; only then is the capture asked for.
+            await captured_after_all_steps(env, pod)
+            # What that refusal is (the controller counts exactly this answer, dynsnap/controller/routing.py).
+            refusal = await env.fe.chat("routed?", worker_id=wid, max_tokens=1)
+            assert refusal.status == 400 and refusal.body == {"message": "Invalid request", "type": "Bad Request",
+                                                              "code": 400}, json.dumps(refusal.body)
+        quiesces = {quiesce_of(v).get("id") for v in wss if quiesce_of(v).get("id")}
+        assert len(quiesces) == 3, quiesces  # captured, called off, captured
+        assert counted(await events_for(env.api, pod.namespace, pod.name), "Quiescing") == len(quiesces)

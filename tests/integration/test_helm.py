@@ -41,13 +41,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from controllerenv import asleep, get_ws, policy, verified_after
 
 from dynsnap.k8s.client import Kube, Obj
-from dynsnap.k8s.errors import NotFound
+from dynsnap.k8s.errors import ApiError, Conflict, NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
@@ -58,6 +59,7 @@ from dynsnap.testenv.dynsnap_parts import (
     ROOT,
     AgentProc,
     build_stub_driver,
+    install_dynsnap,
     token_kubeconfig,
 )
 from dynsnap.testenv.process import Supervised
@@ -500,3 +502,88 @@ async def test_install_upgrade_uninstall_and_no_worker_left_asleep(cluster: Loca
 
 async def _absent(api: Kube, res: Resource, name: str, namespace: str | None = None) -> bool:
     return not await exists(api, res, name, namespace)
+
+
+# -- controller.watchNamespace: the controller confined to it ------------------------------------------------
+
+WATCHED, ELSEWHERE, NS_RBAC = "dynsnap-watched", "dynsnap-elsewhere", "dynsnap-helm-ns"
+RBAC_RESOURCES = {"ServiceAccount": R.SERVICE_ACCOUNTS, "Role": R.ROLES, "RoleBinding": R.ROLE_BINDINGS,
+                  "ClusterRole": R.CLUSTER_ROLES, "ClusterRoleBinding": R.CLUSTER_ROLE_BINDINGS}
+
+
+async def _as_controller_in(api: Kube, sa_api: Kube, namespace: str) -> dict[str, int | None]:
+    """Each of the controller's writes, tried in ``namespace`` under its own token: the HTTP status of
+    a refusal, None where it was allowed. The objects it writes to are made by the admin first."""
+    name = "w-0"
+    pod = await api.create(R.PODS, {"apiVersion": "v1", "kind": "Pod",
+                                    "metadata": {"name": name, "namespace": namespace},
+                                    "spec": {"containers": [{"name": "main", "image": "none"}]}})
+    ws = {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND,
+          "metadata": {"name": name, "namespace": namespace},
+          "spec": {"podName": name, "podUID": pod["metadata"]["uid"], "tier": "suspend", "desiredState": "Active"}}
+    out: dict[str, int | None] = {}
+
+    async def attempt(what: str, call: Any) -> None:
+        try:
+            await call
+            out[what] = None
+        except ApiError as e:
+            out[what] = e.status
+
+    await attempt("list pods", sa_api.list(R.PODS, namespace=namespace))
+    await attempt("patch pods/status", sa_api.apply(R.PODS, {"metadata": {"name": name, "namespace": namespace},
+                                                             "status": {"conditions": [{"type": P.CONDITION_SERVING,
+                                                                                        "status": "False"}]}},
+                                                    subresource="status", field_manager=P.FIELD_MANAGER))
+    await attempt("create workersnapshots", sa_api.create(R.WORKER_SNAPSHOTS, ws))
+    if out["create workersnapshots"] is not None:  # refused: the admin makes it, to try the other writes on
+        await api.create(R.WORKER_SNAPSHOTS, ws)
+    await attempt("patch workersnapshots", sa_api.merge_patch(R.WORKER_SNAPSHOTS, name, {"spec": {"tier": "snapshot"}},
+                                                             namespace=namespace))
+    await attempt("patch workersnapshots/status", sa_api.apply(
+        R.WORKER_SNAPSHOTS, {"metadata": {"name": name, "namespace": namespace},
+                             "status": {"controller": {"decision": "rbac probe"}}},
+        subresource="status", field_manager=P.FIELD_MANAGER, force=True))
+    await attempt("delete workersnapshots", sa_api.delete(R.WORKER_SNAPSHOTS, name, namespace=namespace))
+    await attempt("delete pods", sa_api.delete(R.PODS, name, namespace=namespace, uid=pod["metadata"]["uid"]))
+    return out
+
+
+async def test_a_watched_namespace_confines_the_controller_to_it(cluster: LocalCluster, helm_env: Helm) -> None:
+    """The chart rendered with controller.watchNamespace, its RBAC applied, and the controller's own token
+    (TokenRequest for the rendered service account) tried against the API server: each of its writes is
+    allowed in the watched namespace and Forbidden in another one; nothing cluster-wide is granted."""
+    api, helm = cluster.api, helm_env
+    await install_dynsnap(cluster)  # the CRD (and deploy/rbac's cluster-wide objects, under other names)
+    for ns in (WATCHED, ELSEWHERE, NS_RBAC):
+        with contextlib.suppress(Conflict):
+            await api.create(R.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    code, out = await helm.run("template", RELEASE, str(CHART), "-n", NS_RBAC, "--set",
+                               f"controller.watchNamespace={WATCHED}")
+    assert code == 0, out
+    docs = [d for d in yaml.safe_load_all(out.split("\n---", 1)[1]) if d]  # helm's first line is a warning
+    controller_rbac = [d for d in docs if d["kind"] in RBAC_RESOURCES and d["metadata"]["name"].startswith(CONTROLLER)]
+    try:
+        for d in controller_rbac:
+            await api.apply(RBAC_RESOURCES[d["kind"]], d, force=True)
+        kc = await token_kubeconfig(cluster, namespace=NS_RBAC, sa=CONTROLLER, path=helm.home / "ns-controller.kc")
+        sa_api = await Kube.from_kubeconfig(kc)
+        try:
+            allowed = await _as_controller_in(api, sa_api, WATCHED)
+            refused = await _as_controller_in(api, sa_api, ELSEWHERE)
+            with pytest.raises(ApiError) as cluster_wide:
+                await sa_api.list(R.PODS)
+        finally:
+            await sa_api.close()
+        assert allowed == dict.fromkeys(allowed), allowed
+        assert refused == dict.fromkeys(refused, 403), refused
+        assert cluster_wide.value.status == 403
+        assert {d["kind"] for d in controller_rbac} == {"ServiceAccount", "Role", "RoleBinding"}, controller_rbac
+    finally:
+        for d in controller_rbac:  # whatever was cluster-wide goes (namespaced objects go with their namespace)
+            if not RBAC_RESOURCES[d["kind"]].namespaced:
+                with contextlib.suppress(NotFound):
+                    await api.delete(RBAC_RESOURCES[d["kind"]], d["metadata"]["name"])
+        for ns in (WATCHED, ELSEWHERE, NS_RBAC):
+            with contextlib.suppress(NotFound):
+                await api.delete(R.NAMESPACES, ns)

@@ -29,6 +29,13 @@ PLAN = "dynsnap/controller/plan.py"
 RECONCILER = "dynsnap/controller/reconciler.py"
 FRONTEND = "dynsnap/controller/frontend.py"
 AGENT_STATUS = "dynsnap/agent/status.py"
+PHASES = "dynsnap/controller/phases.py"
+VERIFY = "dynsnap/controller/verify.py"
+QUIESCE_PY = "dynsnap/controller/quiesce.py"
+ROUTING = "dynsnap/controller/routing.py"
+WAKE = "dynsnap/controller/wake.py"
+WRITES = "dynsnap/controller/writes.py"
+FLEET = "dynsnap/controller/fleet.py"
 STORE = "dynsnap/k8s/store.py"
 MAIN = "dynsnap/controller/main.py"
 
@@ -51,14 +58,24 @@ SLICES_LAG = QUIESCE + "test_no_capture_while_the_controller_still_sees_the_endp
 FRONTEND_LAG = QUIESCE + "test_no_capture_while_the_frontend_still_routes_to_the_worker"
 DISAGG = ("tests/integration/test_controller_disagg.py::"
           "test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_with_their_headers[suspend]")
+FRONTEND_DOWN = QUIESCE + "test_no_capture_while_the_frontend_cannot_say_it_stopped_routing"
+PHASES_UNIT = "tests/unit/test_controller_phases.py::"
+CAPTURE_DEADLINE_UNIT = PHASES_UNIT + "test_a_capture_ends_once_by_what_the_agent_reports_or_its_deadline"
+WAKE_DEADLINE_UNIT = PHASES_UNIT + "test_a_wake_fails_when_lost_or_not_active_and_verified_by_its_deadline"
+REFUSAL_HOLDS_UNIT = PHASES_UNIT + "test_a_refusal_holds_until_the_pod_the_spec_or_the_policy_changes"
+ROUTING_UNIT = "tests/unit/test_controller_routing.py::"
+REFUSED_FOR_GOOD = ("tests/integration/test_controller_refusals.py::"
+                    "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again")
+WAKE_FAILS = ("tests/integration/test_controller_wake_deadline.py::"
+              "test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woken_in_its_place")
 
-IDENTITY = ("        problem = self._identity_problem(pod, rec.identity)\n"
-            "        if problem is not None:\n"
-            "            return await self._fail(pod, ws, rec, policy, *problem)\n")
-GATE_TRUE = ("        if F.pod_condition(pod, P.CONDITION_SERVING) != \"True\":\n"
-             "            await self._gate(pod, True)\n"
-             "            return POLL\n"
-             "        elapsed = (now - v.started).total_seconds()\n")
+IDENTITY = ("    problem = identity_problem(s, rec.identity, F.dwm_of(ctx.stores.dwms, s.pod))\n"
+            "    if problem is not None:\n"
+            "        return await fail(ctx, s, policy, *problem)\n")
+GATE_TRUE = ("    if F.pod_condition(s.pod, P.CONDITION_SERVING) != \"True\":\n"
+             "        await ctx.gate(s.pod, True)\n"
+             "        return POLL\n"
+             "    late = left_of(v.started, ctx.settings.verify_timeout, now) < 0\n")
 
 MUTATIONS = (
     # -- verification: what counts as proof ----------------------------------------------------------
@@ -75,54 +92,122 @@ MUTATIONS = (
         "                and True)\n",
         tests=[PINNED_UNIT], modules=["dynsnap.controller.frontend"]),
     mutation(
-        "decode-pinned-alone", "a decode worker is pinned by its own id alone (no prefill header)", RECONCILER,
-        "            return int(iid), prefill, [P.HEADER_WORKER_INSTANCE_ID, P.HEADER_PREFILL_INSTANCE_ID] if "
-        "prefill \\\n                is not None else [P.HEADER_WORKER_INSTANCE_ID]\n",
-        "            return int(iid), None, [P.HEADER_WORKER_INSTANCE_ID]\n",
+        "decode-pinned-alone", "a decode worker is pinned by its own id alone (no prefill header)", ROUTING,
+        "        return int(iid), prefill, [P.HEADER_WORKER_INSTANCE_ID, P.HEADER_PREFILL_INSTANCE_ID] if "
+        "prefill \\\n            is not None else [P.HEADER_WORKER_INSTANCE_ID]\n",
+        "        return int(iid), None, [P.HEADER_WORKER_INSTANCE_ID]\n",
         tests=[DISAGG]),
     mutation(
-        "no-identity-check", "a woken worker's pod and DWM are not compared with what they were", RECONCILER,
-        "        problem = self._identity_problem(pod, rec.identity)\n",
-        "        problem = None\n",
+        "no-identity-check", "a woken worker's pod and DWM are not compared with what they were", VERIFY,
+        "    problem = identity_problem(s, rec.identity, F.dwm_of(ctx.stores.dwms, s.pod))\n",
+        "    problem = None\n",
         tests=[DWM_ID, DWM_UID, DWM_TRANSPORT]),
     mutation(
         "no-transport-check", "a DWM whose generate endpoint leads to another worker passes the identity check",
-        RECONCILER,
-        "        if ident.transport is not None and transport != ident.transport:\n",
-        "        if False:\n",
+        VERIFY,
+        "    if ident.transport is not None and transport != ident.transport:\n",
+        "    if False:\n",
         tests=[DWM_TRANSPORT]),
     mutation(
         "gate-before-identity", "a woken worker is put back into serving before its identity is checked",
-        RECONCILER, IDENTITY + GATE_TRUE, GATE_TRUE + IDENTITY,
+        VERIFY, IDENTITY + GATE_TRUE, GATE_TRUE + IDENTITY,
         tests=[DWM_ID, DWM_UID]),
     mutation(
         "refused-round-accepted", "fewer than N answers accepted: a round that ended in a refused pinned "
-        "request counts as proof", RECONCILER,
-        "        if answered < policy.verify_requests:\n",
-        "        if answered < policy.verify_requests and not refused:\n",
+        "request counts as proof", VERIFY,
+        "    if answered < policy.verify_requests:\n",
+        "    if answered < policy.verify_requests and not refused:\n",
         tests=[FROZEN]),
     mutation(
         "fallback-delete-without-uid", "the cold-restart fallback deletes the pod by name, without the UID "
-        "precondition", RECONCILER,
-        "                await self.kube.delete(R.PODS, pod[\"metadata\"][\"name\"], "
+        "precondition", WRITES,
+        "            await self.kube.delete(R.PODS, pod[\"metadata\"][\"name\"], "
         "namespace=pod[\"metadata\"][\"namespace\"],\n"
-        "                                       uid=F.pod_uid(pod))\n",
-        "                await self.kube.delete(R.PODS, pod[\"metadata\"][\"name\"], "
+        "                                   uid=str(pod[\"metadata\"].get(\"uid\", \"\")))\n",
+        "            await self.kube.delete(R.PODS, pod[\"metadata\"][\"name\"], "
         "namespace=pod[\"metadata\"][\"namespace\"])\n",
         tests=[REPLACED]),
     # -- quiesce: each condition waited for itself ---------------------------------------------------
     mutation(
         "quiesce-skips-endpoint-wait", "the quiesce does not wait for the endpoint to be not ready",
-        RECONCILER,
-        "        if F.endpoint_ready(self.stores.slices, pod):\n            again = POLL\n",
-        "        if False:\n            again = POLL\n",
+        QUIESCE_PY,
+        "    if s.endpoint_ready:\n        return POLL\n",
+        "    if False:\n        return POLL\n",
         tests=[SLICES_LAG]),
     mutation(
         "quiesce-skips-routing-probe", "the quiesce does not ask the frontend whether it still routes there",
-        RECONCILER,
-        "            if await self._still_routed(pod, rec):\n",
-        "            if False:\n",
+        QUIESCE_PY,
+        "    if await routing(ctx, s) != RT.Routed.NO:\n",
+        "    if False:\n",
         tests=[FRONTEND_LAG]),
+    mutation(
+        "routing-fails-open", "any answer but 200 counts as the frontend no longer routing there (a 404, 5xx, "
+        "another 400 or a timeout)", ROUTING,
+        "    return Routed.NO if refused_instance(a) else Routed.UNKNOWN\n",
+        "    return Routed.NO\n",
+        tests=[ROUTING_UNIT + "test_only_the_frontends_explicit_refusal_counts_as_not_routed", FRONTEND_DOWN]),
+    mutation(
+        "routing-any-400", "any 400 counts as the frontend's refusal of the instance, whatever it says", ROUTING,
+        "    return isinstance(body, dict) and all(body.get(k) == v for k, v in REFUSAL_BODY.items())\n",
+        "    return True\n",
+        tests=[ROUTING_UNIT + "test_only_the_frontends_explicit_refusal_counts_as_not_routed"]),
+    mutation(
+        "routing-nothing-to-ask-not-routed", "with no ready frontend or no model to ask, the worker counts as "
+        "no longer routed", QUIESCE_PY,
+        "    if ident is None or url is None:\n        return RT.Routed.UNKNOWN\n",
+        "    if ident is None or url is None:\n        return RT.Routed.NO\n",
+        tests=[ROUTING_UNIT + "test_no_frontend_to_ask_is_no_refusal"], modules=["dynsnap.controller.quiesce"]),
+    # -- the phases' deadlines and terminal outcomes (issue 18) ----------------------------------------
+    mutation(
+        "capture-no-deadline", "a capture the agent never reports finished is waited for (almost) for ever",
+        PHASES,
+        "    return _wait_or_fail(cap.started, timeout, now, Reason.CAPTURE_TIMED_OUT,\n",
+        "    return _wait_or_fail(cap.started, timeout * 1000, now, Reason.CAPTURE_TIMED_OUT,\n",
+        tests=[CAPTURE_DEADLINE_UNIT], modules=["dynsnap.controller.phases"]),
+    mutation(
+        "wake-no-deadline", "a wake that never reaches Active and verified is waited for (almost) for ever",
+        PHASES,
+        "    return _wait_or_fail(w.started, timeout, now, Reason.WAKE_FAILED,\n",
+        "    return _wait_or_fail(w.started, timeout * 1000, now, Reason.WAKE_FAILED,\n",
+        tests=[WAKE_DEADLINE_UNIT, WAKE_FAILS + "[corrupted-restart]"]),
+    mutation(
+        "wake-lost-waits", "a wake whose worker the agent gave up (Lost) waits for the deadline instead of "
+        "failing at once", PHASES,
+        "    if ws.status.state == ObservedState.LOST or (err is not None and err.reason == Reason.WORKER_LOST):\n",
+        "    if False:\n",
+        tests=[WAKE_DEADLINE_UNIT, WAKE_FAILS + "[deleted-none]"]),
+    mutation(
+        "wake-failure-not-acted-on", "a wake past its deadline is not made a failed wake (no verdict, no "
+        "fallback)", WAKE,
+        "        return await V.fail(ctx, s, policy, out.reason, out.message)\n",
+        "        return NEXT\n",
+        tests=[WAKE_FAILS + "[corrupted-restart]"]),
+    mutation(
+        "failed-wake-counts-awake", "a worker whose wake failed still counts as awake (nothing is woken in its "
+        "place)", FLEET,
+        "    if verification_failed(ws):\n        return Phase.BROKEN\n",
+        "",
+        # with on-failed-wake none the failed pod stays (restart deletes it, which makes room anyway)
+        tests=[WAKE_FAILS + "[deleted-none]"]),
+    mutation(
+        "refusal-retried", "a permanent refusal is waited out like any failure (the worker out of serving until "
+        "the capture deadline)", PHASES,
+        "    if err is not None and err.reason in PERMANENT_REFUSALS:\n",
+        "    if False:\n",
+        tests=[CAPTURE_DEADLINE_UNIT, REFUSED_FOR_GOOD + "[SeccompOff]"]),
+    mutation(
+        "refusal-not-remembered", "the planner is not told of a refusal on record: the worker is quiesced again "
+        "while idle", RECONCILER,
+        "            refused = PH.refusal_note(ref)\n",
+        "            refused = None\n",
+        tests=[VIEW_UNIT, REFUSED_FOR_GOOD + "[SeccompOff]"]),
+    mutation(
+        "refusal-outlives-the-policy", "a refusal still stands after the component's policy changed", PHASES,
+        "            and ref.policy_hash == policy_hash(policy))\n",
+        "            )\n",
+        # unit only: in the integration test the policy change is the tier, which moves the spec's
+        # generation too (the controller writes the tier into the spec), so the refusal ends either way
+        tests=[REFUSAL_HOLDS_UNIT], modules=["dynsnap.controller.phases"]),
     # -- the planner ---------------------------------------------------------------------------------
     mutation(
         "plan-below-min-active", "the planner lets the serving workers drop below what is needed "
@@ -172,23 +257,23 @@ MUTATIONS = (
         modules=["dynsnap.controller.plan"]),
     mutation(
         "view-no-return", "the planner is not told when the worker last returned to serving", RECONCILER,
-        "                          serving_since=ver.finished if ver is not None and ver.ok else None)\n",
-        "                          serving_since=None)\n",
+        "                          serving_since=ver.finished if ver is not None and ver.ok else None,\n",
+        "                          serving_since=None,\n",
         tests=[VIEW_UNIT],
         modules=["dynsnap.controller.reconciler"]),
     mutation(
         "view-failed-return", "a failed verification counts as a return to serving", RECONCILER,
-        "                          serving_since=ver.finished if ver is not None and ver.ok else None)\n",
-        "                          serving_since=ver.finished if ver is not None else None)\n",
+        "                          serving_since=ver.finished if ver is not None and ver.ok else None,\n",
+        "                          serving_since=ver.finished if ver is not None else None,\n",
         tests=[VIEW_UNIT],
         modules=["dynsnap.controller.reconciler"]),
     # -- one wake, one record: read your own write -----------------------------------------------------
     mutation(
         "wake-asked-anew", "a reconcile that still sees Suspended opens a second wake with a new trace",
-        RECONCILER,
-        "            if asked is not None and asked.trace_context:\n",
-        "            if False:\n",
-        tests=[WAKE_UNIT], modules=["dynsnap.controller.reconciler"]),
+        WAKE,
+        "    if asked is not None and asked.trace_context:\n",
+        "    if False:\n",
+        tests=[WAKE_UNIT], modules=["dynsnap.controller.wake"]),
     mutation(
         "store-goes-back", "the store takes an earlier version over a later one (a late watch event undoes "
         "our own write)", STORE,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from dynsnap.controller.frontend import Frontend, FrontendError, MetricsScraper, ScrapeError
+from dynsnap.k8s import retry
 
 PAGE = 'dynamo_frontend_inflight_requests{model="tiny"} 3\ndynamo_frontend_queued_requests{model="tiny"} 2\n'
 
@@ -166,3 +167,27 @@ async def test_demand_parses_the_page_and_names_what_went_wrong(serve: Serve) ->
     with pytest.raises(FrontendError, match=r"GET http://127.0.0.1:\d+/metrics: ConnectionRefusedError"):
         await fe.demand(f"http://127.0.0.1:{port}")
     await fe.close()
+
+
+async def test_a_get_that_got_no_answer_is_retried_by_the_named_policy_within_its_caps(serve: Serve) -> None:
+    """The frontend's GETs go through dynsnap.k8s.retry.FRONTEND (no loop of their own): a connection
+    dropped before the answer is tried again; given up after the policy's attempts, named in the error."""
+    events: list[retry.RetryEvent] = []
+    retry.add_hook(events.append)
+    retry.set_instant(True)
+    try:
+        flaky = await serve(lambda n: None if n == 1 else length(PAGE), close_after=True)
+        flaky.answer = lambda n: length(PAGE) if n > 1 else b"HTTP/1.1 200 X\r\nContent-Length: 99\r\n\r\ncut"
+        fe = Frontend(timeout=2)
+        assert (await fe.demand(f"http://127.0.0.1:{flaky.port}")).inflight == 3.0
+        assert [(e.policy, e.attempt, e.gave_up) for e in events] == [("frontend-get", 1, False)]
+        events.clear()
+        never = await serve(lambda n: b"HTTP/1.1 200 X\r\nContent-Length: 99\r\n\r\ncut", close_after=True)
+        with pytest.raises(FrontendError, match=r"GET http://127.0.0.1:\d+/metrics: IncompleteReadError"):
+            await fe.demand(f"http://127.0.0.1:{never.port}")
+        assert [(e.attempt, e.gave_up) for e in events] == [(1, False), (2, False), (3, True)]
+        assert len(never.requests) == retry.FRONTEND.attempts
+        await fe.close()
+    finally:
+        retry.set_instant(None)
+        retry.remove_hook(events.append)

@@ -15,7 +15,7 @@ import pytest
 
 from dynsnap.controller.plan import Decision, Demand, Phase, Want, WorkerView, needed, plan
 from dynsnap.models.policy import Policy
-from dynsnap.models.protocol import DesiredState
+from dynsnap.models.protocol import DesiredState, Reason
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 POLICY = Policy(enabled=True, idle_after=300.0, min_active=1, wake_at_inflight=4.0)
@@ -186,3 +186,30 @@ def test_the_plan_is_the_same_in_any_order() -> None:
     # And of two captured at the same time, "d" is woken first (need 6 of 4 awake: the quiesce, then d).
     more = plan(workers, POLICY, Demand(21), NOW)
     assert (more["f"].want, more["d"].want, more["e"].want) == (Want.AWAKE, Want.AWAKE, Want.ASLEEP)
+
+
+def test_a_worker_whose_wake_failed_is_not_awake_and_another_is_woken_in_its_place() -> None:
+    # min-active 2: one serves, one was woken and its wake failed (broken), two sleep. The failed one
+    # counts as neither awake nor waking, so the most recently captured sleeper is woken for it.
+    workers = [w("a", S), w("failed", B, captured_ago=5), w("s1", A, captured_ago=10), w("s2", A, captured_ago=60)]
+    got = plan(workers, replace(POLICY, min_active=2), Demand(0), NOW)
+    assert got["failed"].want == Want.LEAVE
+    assert (got["s1"].want, got["s2"].want) == (Want.AWAKE, Want.ASLEEP)
+    # Counted as waking instead (as before issue 18), nothing would be woken in its place.
+    got = plan([*workers[:1], replace(workers[1], phase=WK), *workers[2:]], replace(POLICY, min_active=2), Demand(0),
+               NOW)
+    assert (got["s1"].want, got["s2"].want) == (Want.ASLEEP, Want.ASLEEP)
+
+
+def test_a_worker_whose_capture_was_refused_for_good_serves_and_is_never_chosen_to_sleep() -> None:
+    why = "capture refused by the agent: SeccompOff (...); not asked again until ..."
+    refused = replace(w("a", S, idle=IDLE + 50), sleep_refused=why)
+    got = plan([refused, w("b", S), w("c", S, idle=IDLE + 10)], POLICY, Demand(0), NOW)
+    assert got["a"].want == Want.AWAKE and got["a"].why == why and not got["a"].refused
+    # the others sleep down to min-active, the refused one counting as serving
+    assert (got["b"].want, got["c"].want) == (Want.ASLEEP, Want.ASLEEP)
+    # not even the manual override: refused, with the refusal's reason for its Event
+    got = plan([replace(refused, override=DesiredState.SUSPENDED.value), w("b", S, idle=None)], POLICY, Demand(0),
+               NOW)
+    assert got["a"].want == Want.AWAKE and got["a"].refused and got["a"].reason == Reason.CAPTURE_REFUSED
+    assert got["a"].why.startswith("manual override suspended refused: capture refused")

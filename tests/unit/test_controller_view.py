@@ -51,3 +51,32 @@ def test_the_planner_sees_the_last_verified_return_to_serving(verification: dict
     view = r.view_of({"metadata": {"name": "w-0", "namespace": "ns", "uid": UID}})
     assert view.idle_since == datetime(2026, 12, 1, 6, 44, 55, tzinfo=UTC)
     assert view.serving_since == since
+
+
+@pytest.mark.parametrize(("generation", "tier", "refused"), [
+    (1, "snapshot", True),  # as it was refused: it stands
+    (2, "snapshot", False),  # the spec changed since
+    (1, "suspend", False),  # the component's policy changed since
+], ids=["standing", "spec-changed", "policy-changed"])
+def test_the_planner_sees_a_refusal_while_it_stands(generation: int, tier: str, refused: bool) -> None:
+    from dynsnap.controller.phases import policy_hash
+    from dynsnap.models.policy import Policy
+    from dynsnap.models.protocol import Tier
+
+    as_refused = Policy(enabled=True, tier=Tier.SNAPSHOT)
+    obj = _ws(None)
+    obj["metadata"]["generation"] = generation
+    obj["status"]["controller"] = {"refusal": {"reason": "SeccompOff", "message": "filter off",
+                                               "at": "2026-12-01T06:45:00Z", "captureId": "c1", "podUID": UID,
+                                               "generation": 1, "policyHash": policy_hash(as_refused)}}
+    wss = Store()
+    wss.upsert(obj)
+    r = Reconciler(kube=None, settings=ControllerSettings(leader_elect=False),  # type: ignore[arg-type]
+                   stores=Stores(dgds=Store(), pods=Store(), dwms=Store(), slices=Store({"target": lambda o: []}),
+                                 wss=wss),
+                   frontend=Frontend(timeout=1.0))
+    view = r.view_of({"metadata": {"name": "w-0", "namespace": "ns", "uid": UID}},
+                     Policy(enabled=True, tier=Tier(tier)))
+    assert (view.sleep_refused is not None) == refused
+    if refused:
+        assert view.sleep_refused is not None and "SeccompOff" in view.sleep_refused

@@ -1,4 +1,4 @@
-"""The controller's wake request (dynsnap.controller.reconciler.Reconciler._awake) is one operation
+"""The controller's wake request (dynsnap.controller.wake.awake -> request_wake) is one operation
 however often it is reconciled: a reconcile that still sees the old desired state (its spec write not
 yet back from the watch, or set back by a person) asks again as the same wake, with the same trace,
 rather than opening a second wake the agent's record would not match. And the spec write is stored
@@ -9,12 +9,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dynsnap.controller import wake as W
 from dynsnap.controller.frontend import Frontend
-from dynsnap.controller.plan import Decision, Phase, Want
+from dynsnap.controller.plan import Decision, Want
 from dynsnap.controller.reconciler import Reconciler, Stores
+from dynsnap.controller.scope import Scope, utcnow
 from dynsnap.controller.settings import ControllerSettings
 from dynsnap.k8s.store import Store
 from dynsnap.models import protocol as P
+from dynsnap.models.policy import ParsedPolicy, Policy
 from dynsnap.models.workersnapshot import WorkerSnapshot
 from dynsnap.telemetry.tracing import parse_traceparent
 
@@ -51,6 +54,11 @@ def _ws() -> dict[str, Any]:
             "status": {"state": "Suspended", "conditions": []}}
 
 
+def scope(pod: dict[str, Any], ws: dict[str, Any]) -> Scope:
+    return Scope(key="ns/w-0", pod=pod, dgd={}, component="worker", ws=WorkerSnapshot.model_validate(ws),
+                 parsed=ParsedPolicy(Policy()), endpoint_ready=None, now=utcnow())
+
+
 async def test_a_stale_reconcile_asks_again_as_the_same_wake() -> None:
     stale = _ws()
     kube = stub_Kube(copy.deepcopy(stale))
@@ -61,7 +69,7 @@ async def test_a_stale_reconcile_asks_again_as_the_same_wake() -> None:
                    frontend=Frontend(timeout=1.0))
     pod = {"metadata": {"name": "w-0", "namespace": "ns", "uid": UID}}
     d = Decision(Want.AWAKE, "manual override: active")
-    await r._awake(pod, WorkerSnapshot.model_validate(stale), None, Phase.ASLEEP, d)  # type: ignore[arg-type]
+    await W.awake(r.ctx, scope(pod, stale), Policy(), d)
     first = kube.patches[-1]["metadata"]["annotations"][P.ANN_TRACEPARENT]
     assert parse_traceparent(first) is not None and kube.patches[-1]["spec"]["desiredState"] == "Active"
     # Read our own write: the store holds the spec as patched, not the status write before it.
@@ -76,6 +84,6 @@ async def test_a_stale_reconcile_asks_again_as_the_same_wake() -> None:
     assert wss.get("ns", "w-0")["spec"]["desiredState"] == "Active"
     # A reconcile that did read the old spec (status with the wake on record, spec Suspended): the
     # same wake is asked for again, under the same trace, and no second wake record is opened.
-    await r._awake(pod, WorkerSnapshot.model_validate(late), None, Phase.ASLEEP, d)  # type: ignore[arg-type]
+    await W.awake(r.ctx, scope(pod, late), Policy(), d)
     assert kube.patches[-1]["metadata"]["annotations"][P.ANN_TRACEPARENT] == first
     assert kube.obj["status"]["controller"]["wake"] == wake

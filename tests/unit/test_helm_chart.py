@@ -131,6 +131,25 @@ def test_another_release_has_the_same_rules_under_its_own_names() -> None:
             assert d["rules"] in rules, d["metadata"]["name"]
 
 
+def test_a_watched_namespace_gets_the_controller_a_role_there_and_nothing_cluster_wide() -> None:
+    """controller.watchNamespace: the controller's rules as a Role and RoleBinding in that namespace only
+    (it reads no cluster-scoped object), its Lease's Role where it was; no ClusterRole or
+    ClusterRoleBinding of the controller's at all (tests/integration/test_helm.py tries its token)."""
+    docs = render("controller.watchNamespace=models", namespace="ops")
+    shipped = {(d["kind"], d["metadata"]["name"]): d for d in shipped_rbac()}
+    role = one(docs, "Role", "dynsnap-controller")
+    assert role["metadata"]["namespace"] == "models"
+    assert role["rules"] == shipped[("ClusterRole", "dynsnap-controller")]["rules"]
+    binding = one(docs, "RoleBinding", "dynsnap-controller")
+    assert binding["metadata"]["namespace"] == "models"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "dynsnap-controller"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dynsnap-controller", "namespace": "ops"}]
+    assert one(docs, "Role", "dynsnap-controller-leader-election")["metadata"]["namespace"] == "ops"
+    cluster_wide = [d["metadata"]["name"] for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")
+                    and "controller" in d["metadata"]["name"]]
+    assert cluster_wide == []
+
+
 # -- the controller Deployment ---------------------------------------------------------------------------
 
 def test_controller_deployment_elects_through_the_lease_and_probes_health() -> None:

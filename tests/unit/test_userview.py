@@ -203,3 +203,19 @@ def test_json_row_carries_raw_values() -> None:
                                                (3661, "1h1m"), (86400, "1d"), (90000, "1d1h"), (-5, "0s")])
 def test_age(seconds: float, text: str) -> None:
     assert U.age(seconds) == text
+
+
+def test_a_capture_refused_for_good_is_shown_in_the_state_while_it_stands() -> None:
+    refusal = {"reason": "SeccompOff", "message": "the entrypoint's io_uring filter is 'off'", "at": t(30),
+               "captureId": "c1", "podUID": UID, "generation": 4, "policyHash": "0123456789abcdef"}
+    status = {"state": "Active", "controller": {"refusal": refusal},
+              "conditions": [cond("Degraded", "True", "SeccompOff")]}
+    snap = ws(status=status)
+    snap["metadata"]["generation"] = 4
+    r = U.row(snap)
+    assert U.state_cell(r) == "Active (degraded SeccompOff, capture refused SeccompOff)"
+    assert U.as_json(r, NOW)["captureRefused"] == {"reason": "SeccompOff", "message": refusal["message"],
+                                                   "at": t(30).replace(".000000Z", "Z")}
+    # the spec changed since (another generation): the refusal no longer stands, and is not shown
+    snap["metadata"]["generation"] = 5
+    assert "capture refused" not in U.state_cell(U.row(snap)) and U.as_json(U.row(snap), NOW)["captureRefused"] is None

@@ -1,0 +1,171 @@
+"""A capture the agent refuses for a reason that will not go away (issue 18): the worker is back in
+serving at once and is not asked again until the policy changes.
+
+Two idle workers of one component (min-active 1, tier snapshot) whose entrypoint makes every snapshot
+impossible, for real: started with ``--no-seccomp`` (the agent refuses ``SeccompOff``), or in a
+container without capabilities and told not to cycle pids (the reservation fails: the agent refuses
+``PidReservationMissing``; tests/integration/test_agent_pidfloor.py shows the agent's side). The
+controller quiesces one for idleness and asks for the capture; the agent refuses it. Then, for each
+worker in turn (the planner picks the other once the first is back):
+
+- the refusal on record (``status.controller.refusal``: the agent's reason, the pod UID, the spec's
+  generation, the policy's hash) and a Warning Event ``CaptureRefused`` naming the reason;
+- back in serving: desiredState Active, the return verified (a recall: the worker never left), its
+  serving gate True, its EndpointSlice endpoint ready, and requests pinned to it answered by it;
+- never quiesced again while it stays idle (no new quiesce, desiredState Active throughout a window
+  of several idle-afters);
+- once the component's policy changes (tier suspend, which needs neither the io_uring filter nor the
+  pid reservation), quiesced again and captured, and the refusal gone from the record.
+
+Before issue 18 the refused worker stayed out of serving, its gate False, its pinned requests
+answered 400, while the agent retried (the controller had set Suspended and counted it asleep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from controllerenv import CtlEnv, asleep, events_for, gate_of, get_ws, history, policy, running, wait_ws
+
+from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import Conflict
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.runtime.command import find_tool
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.dynsnap_parts import StubDriver, worker_component
+
+pytestmark = pytest.mark.cluster
+
+IDLE_AFTER = 2  # seconds
+QUIET_WINDOW = 12.0  # several idle-afters: long enough for the planner to have asked again, had it
+
+
+def no_seccomp(comp: Obj) -> None:
+    """The entrypoint told not to install its io_uring filter: the agent refuses SeccompOff."""
+    cmd: list[str] = comp["extraPodSpec"]["mainContainer"]["command"]
+    cmd.insert(cmd.index("--"), "--no-seccomp")
+
+
+def no_pid_reservation(comp: Obj) -> None:
+    """The whole container without capabilities (writing ns_last_pid is refused) and the entrypoint told
+    not to cycle pids instead: the reservation fails and the agent refuses PidReservationMissing (as in
+    test_agent_pidfloor.py)."""
+    main = comp["extraPodSpec"]["mainContainer"]
+    cmd: list[str] = main["command"]
+    at = next(i for i, a in enumerate(cmd) if a.endswith("dynsnap-entrypoint"))
+    cmd.insert(at + 1, "--no-pid-cycle")
+    main["command"] = [find_tool("setpriv"), "--bounding-set", "-all", "--inh-caps", "-all", "--ambient-caps", "-all",
+                       "--", *cmd]
+
+
+CASES: dict[str, Callable[[Obj], None]] = {"SeccompOff": no_seccomp, "PidReservationMissing": no_pid_reservation}
+
+
+def graph(name: str, spoil: Callable[[Obj], None]) -> Callable[[StubDriver], Obj]:
+    def make(driver: StubDriver) -> Obj:
+        worker = worker_component("worker", replicas=2, driver=driver)
+        spoil(worker)
+        worker["annotations"] = policy(min_active=1, verify_requests=2)
+        body = D.dgd(name, [D.frontend_component(), worker])
+        body["metadata"]["annotations"] = policy(enabled=True, idle_after=f"{IDLE_AFTER}s", tier="snapshot",
+                                                 wake_at_inflight=1)
+        return body
+    return make
+
+
+def record(ws: Obj | None) -> dict[str, Any]:
+    rec: dict[str, Any] = ((ws or {}).get("status") or {}).get("controller") or {}
+    return rec
+
+
+def back_after_refusal(reason: str) -> Callable[[Obj | None], bool]:
+    """Refused for ``reason``, on record, Active wanted, and the return (a recall) verified."""
+    def check(ws: Obj | None) -> bool:
+        rec = record(ws)
+        ref, v, q = rec.get("refusal") or {}, rec.get("verification") or {}, rec.get("quiesce") or {}
+        return bool(ws and ref.get("reason") == reason and ws["spec"]["desiredState"] == "Active"
+                    and v.get("ok") is True and v.get("wakeId") == f"recall-{q.get('id')}"
+                    and v.get("started", "") >= q.get("started", "~"))
+    return check
+
+
+async def assert_serving(env: CtlEnv, pod: RunningPod) -> None:
+    """Gate True, endpoint ready, and requests pinned to it answered by it."""
+    live = await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
+    assert gate_of(live) == "True", live["status"]
+    ep = await env.cluster.endpoint_of(pod, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
+    assert ep is not None and ep["conditions"].get("ready") is True, ep
+    wid = instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
+    for _ in range(3):
+        answer = await env.fe.chat("still yours?", worker_id=wid, max_tokens=2)
+        assert answer.status == 200 and answer.worker_id == wid, answer.body
+
+
+async def set_tier(env: CtlEnv, tier: str) -> None:
+    """What a user's `kubectl edit` of the DGD does: the graph's dynsnap.io/tier changed."""
+    name, ns = env.graph.dgd["metadata"]["name"], env.graph.dgd["metadata"]["namespace"]
+    for _ in range(10):
+        obj = await env.api.get(R.DGDS, name, namespace=ns)
+        obj["metadata"].setdefault("annotations", {})[P.ANN_TIER] = tier
+        try:
+            await env.api.replace(R.DGDS, obj)
+            return
+        except Conflict:
+            continue
+    raise AssertionError("10 conflicting DGD writes in a row")
+
+
+@pytest.mark.parametrize("reason", list(CASES))
+async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again(
+        cluster: LocalCluster, reason: str) -> None:
+    async with running(cluster, graph(f"refuse-{reason.lower()}", CASES[reason]),
+                       controller_args=["--capture-timeout", "120", "--wake-timeout", "120"]) as env:
+        workers = env.graph.workers("worker")
+        for pod in workers:  # the planner takes them in turn: one refused and back, then the other
+            ws = await wait_ws(env, pod, f"refused {reason}, back in serving, verified", back_after_refusal(reason),
+                               timeout=180)
+            ref = record(ws)["refusal"]
+            # For the record (docs): from the agent's refusal to the return proven, by the records' clocks.
+            print(f"{pod.name}: refused {ref['reason']} at {ref['at']}, back in serving (verified) at "
+                  f"{record(ws)['verification']['finished']}")
+            assert ref["podUID"] == pod.uid and ref["generation"] == ws["metadata"]["generation"]
+            assert ref["captureId"] == record(ws)["capture"]["id"] and record(ws)["capture"]["ok"] is False
+            assert record(ws)["capture"]["error"]["reason"] == reason
+            await assert_serving(env, pod)
+            warned = [e for e in await events_for(env.api, pod.namespace, pod.name)
+                      if e["type"] == "Warning" and e["reason"] == "CaptureRefused"]
+            assert warned and reason in warned[-1]["note"], warned
+        # Idle, but never asked again: no new quiesce, Active wanted throughout.
+        quiesced = {p.name: record(await get_ws(env.api, p))["quiesce"]["id"] for p in workers}
+        async with history(env.api, R.WORKER_SNAPSHOTS, workers[0]) as first, \
+                history(env.api, R.WORKER_SNAPSHOTS, workers[1]) as second:
+            await asyncio.sleep(QUIET_WINDOW)
+        for pod, seen in zip(workers, (first, second), strict=True):
+            assert {record(v)["quiesce"]["id"] for v in seen} == {quiesced[pod.name]}, pod.name
+            assert {v["spec"]["desiredState"] for v in seen} == {"Active"}, pod.name
+            assert (seen[-1]["status"].get("idle") or {}).get("idleSince"), f"{pod.name} is not idle"
+            await assert_serving(env, pod)
+        # The policy changes: asked again, and at tier suspend the capture is not refused.
+        await set_tier(env, "suspend")
+        slept = await wait_ws_any(env, workers, lambda ws: asleep(ws) and record(ws)["quiesce"]["id"] not in
+                                  quiesced.values())
+        assert "refusal" not in record(slept) and slept["spec"]["tier"] == "suspend", record(slept)
+
+
+async def wait_ws_any(env: CtlEnv, pods: list[RunningPod], check: Callable[[Obj | None], bool],
+                      timeout: float = 120) -> Obj:
+    """The first WorkerSnapshot of ``pods`` for which ``check`` holds."""
+    async def probe() -> Obj | None:
+        for pod in pods:
+            ws = await get_ws(env.api, pod)
+            if check(ws):
+                return ws
+        return None
+    found: Obj = await wait_for("a worker quiesced again and captured", probe, timeout=timeout, interval=0.3)
+    return found

@@ -1,0 +1,156 @@
+"""A wake that never reaches Active is a failed wake (issue 18), and the planner makes up for it.
+
+Three workers of one component (tier snapshot, min-active 1): idleness puts two to sleep, their
+trees dumped by the real CRIU. The image of the one captured last (the one a deficit wakes first) is
+then damaged on its node, for real, and the component's min-active raised to 2, so the controller
+wakes it:
+
+- ``corrupted`` (``pstree.img`` overwritten with garbage): every CRIU restore fails
+  (``CriuRestoreFailed``) and the agent retries with backoff; the worker stays Waking. Past
+  ``--wake-timeout`` the controller calls it a failed wake;
+- ``deleted`` (the capture's directory removed): the agent finds nothing to restore and gives the
+  worker up (``WorkerLost``, state Lost); the controller calls the wake failed at once.
+
+Either way: ``Verified=False`` ``WakeFailed`` with the agent's reason in its message, a Warning Event,
+``status.controller.verification`` failed for that wake with the policy's fallback (``restart``: the
+pod deleted with its UID as precondition; ``none``: left out of serving, its gate False), and the
+other sleeping worker woken in its place, verified. Before issue 18 the corrupted worker counted as
+awake while it kept failing (nothing woken in its place, no verdict), and the lost one got no verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from controllerenv import CtlEnv, asleep, cond, events_for, gate_of, get_ws, history, policy, running, wait_ws
+
+from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import Conflict, NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.dynsnap_parts import StubDriver, worker_component
+
+pytestmark = pytest.mark.cluster
+
+WAKE_TIMEOUT = 25  # seconds from the wake request to Active and verified
+
+
+def graph(name: str, on_failed_wake: str) -> Callable[[StubDriver], Obj]:
+    def make(driver: StubDriver) -> Obj:
+        worker = worker_component("worker", replicas=3, driver=driver)
+        worker["annotations"] = policy(min_active=1, verify_requests=2, on_failed_wake=on_failed_wake)
+        body = D.dgd(name, [D.frontend_component(), worker])
+        body["metadata"]["annotations"] = policy(enabled=True, idle_after="2s", tier="snapshot", wake_at_inflight=1)
+        return body
+    return make
+
+
+def capture_dir(env: CtlEnv, pod: RunningPod) -> Path:
+    """The worker's one finished capture on its node (its agent's image directory)."""
+    agent = next(a for a in env.agents if a.node == pod.node)
+    pod_dir = agent.images_root / f"{pod.namespace}_{pod.name}_{pod.uid}"
+    captures = [d for d in pod_dir.iterdir() if d.is_dir() and not d.name.startswith(P.STAGING_PREFIX)]
+    assert len(captures) == 1, captures
+    return captures[0]
+
+
+def damage(env: CtlEnv, pod: RunningPod, how: str) -> None:
+    d = capture_dir(env, pod)
+    if how == "deleted":
+        shutil.rmtree(d)
+        return
+    pstree = d / "pstree.img"
+    assert pstree.is_file(), list(d.iterdir())
+    pstree.write_bytes(b"\xde\xad" * 64)
+
+
+async def set_min_active(env: CtlEnv, n: int) -> None:
+    """What a user's `kubectl edit` of the DGD does: the worker component's min-active changed."""
+    name, ns = env.graph.dgd["metadata"]["name"], env.graph.dgd["metadata"]["namespace"]
+    for _ in range(10):
+        obj = await env.api.get(R.DGDS, name, namespace=ns)
+        comp = next(c for c in obj["spec"]["components"] if c["name"] == "worker")
+        comp.setdefault("annotations", {})[P.ANN_MIN_ACTIVE] = str(n)
+        try:
+            await env.api.replace(R.DGDS, obj)
+            return
+        except Conflict:
+            continue
+    raise AssertionError("10 conflicting DGD writes in a row")
+
+
+def wake_failed(ws: Obj | None) -> bool:
+    v = ((ws or {}).get("status") or {}).get("controller", {}).get("verification") or {}
+    c = cond(ws, "Verified")
+    return bool(v.get("ok") is False and v.get("reason") == "WakeFailed" and c and c["status"] == "False"
+                and c["reason"] == "WakeFailed")
+
+
+def verified_wake(ws: Obj | None) -> bool:
+    st = (ws or {}).get("status") or {}
+    v = (st.get("controller") or {}).get("verification") or {}
+    return bool(ws and ws["spec"]["desiredState"] == "Active" and st.get("state") == "Active" and v.get("ok") is True
+                and st.get("lastWake") and v.get("wakeId") == st["lastWake"].get("id"))
+
+
+CASES = [("corrupted", "restart"), ("deleted", "none")]
+
+
+@pytest.mark.parametrize(("how", "on_failed_wake"), CASES, ids=[f"{h}-{f}" for h, f in CASES])
+async def test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woken_in_its_place(
+        cluster: LocalCluster, how: str, on_failed_wake: str) -> None:
+    async with running(cluster, graph(f"wake-{how}", on_failed_wake),
+                       controller_args=["--wake-timeout", str(WAKE_TIMEOUT)]) as env:
+        workers = env.graph.workers("worker")
+
+        async def two_asleep() -> list[tuple[str, RunningPod]] | None:
+            got = [(ws, p) for p in workers if asleep(ws := await get_ws(env.api, p))]
+            return [(w["status"]["lastCapture"]["started"], p) for w, p in got] if len(got) == 2 else None
+        sleeping = sorted(await wait_for("two of three workers asleep", two_asleep, timeout=180, interval=0.5),
+                          key=lambda t: t[0], reverse=True)
+        failing, spare = sleeping[0][1], sleeping[1][1]  # a deficit wakes the most recently captured first
+        damage(env, failing, how)
+        # Every version of its WorkerSnapshot: the restart fallback deletes the pod, and the garbage
+        # collector the WorkerSnapshot with it, right after the verdict.
+        async with history(env.api, R.WORKER_SNAPSHOTS, failing) as versions:
+            await set_min_active(env, 2)
+
+            async def verdict() -> Obj | None:
+                return next((v for v in versions if wake_failed(v)), None)
+            ws = await wait_for(f"{failing.name}: its wake failed", verdict, timeout=WAKE_TIMEOUT + 120, interval=0.2)
+        v = ws["status"]["controller"]["verification"]
+        wake = ws["status"]["controller"]["wake"]
+        assert wake["ok"] is False and wake.get("finished"), wake
+        if how == "corrupted":
+            assert f"not Active and verified within {WAKE_TIMEOUT}s" in v["message"], v["message"]
+            assert "CriuRestoreFailed" in v["message"], v["message"]
+        else:
+            assert "the agent gave up on the wake: WorkerLost" in v["message"], v["message"]
+        warned = [e for e in await events_for(env.api, failing.namespace, failing.name)
+                  if e["type"] == "Warning" and e["reason"] == "WakeFailed"]
+        assert warned and f"fallback: {v['fallback']}" in warned[-1]["note"], warned
+
+        # Another sleeping worker woken in its place, and proven.
+        await wait_ws(env, spare, "woken in its place, verified", verified_wake, timeout=120)
+        wid = instance_id_from_dwm(await env.api.get(R.DWMS, spare.name, namespace=spare.namespace))
+        answer = await env.fe.chat("in its place", worker_id=wid, max_tokens=2)
+        assert answer.status == 200 and answer.worker_id == wid, answer.body
+
+        # The policy's fallback.
+        live = None
+        with contextlib.suppress(NotFound):
+            live = await env.api.get(R.PODS, failing.name, namespace=failing.namespace)
+        if on_failed_wake == "restart":
+            assert v["fallback"] == "ColdRestart"
+            assert live is None or live["metadata"]["uid"] != failing.uid or live["metadata"].get("deletionTimestamp")
+        else:
+            assert v["fallback"] == "none"
+            assert live is not None and live["metadata"]["uid"] == failing.uid, "left in place to be looked at"
+            assert gate_of(live) == "False", "out of serving"
