@@ -29,6 +29,7 @@ ADMISSION = "dynsnap/agent/admission.py"
 CUDA = "dynsnap/agent/cuda.py"
 IMAGES = "dynsnap/agent/images.py"
 CRIU = "dynsnap/agent/criu.py"
+CRIU_LOG = "dynsnap/agent/criu_log.py"
 ATTEMPTS = "dynsnap/agent/attempts.py"
 SERVING_GATE = "dynsnap/agent/serving.py"
 STATUS = "dynsnap/agent/status.py"
@@ -160,7 +161,7 @@ MUTATIONS = (
         more=[Edit(ATTEMPTS, "    if reason in P.PERMANENT_REFUSALS:\n        return None\n", "")],
         tests=[PERMANENT]),
     mutation(
-        "criu-message-is-the-tail", "a CRIU failure's message is the log's tail, not its error lines", CRIU,
+        "criu-message-is-the-tail", "a CRIU failure's message is the log's tail, not its error lines", CRIU_LOG,
         "        return \"\\n\".join(self.errors) if self.errors else self.log_tail\n",
         "        return self.log_tail\n",
         tests=[CRIU_ERRORS]),
@@ -177,7 +178,7 @@ MUTATIONS = (
         tests=[STATUS_UNIT]),
     mutation(
         "pages-read-last-line-only", "the restore's pagesRead takes the last restorer's thread count, not the "
-        "most any used", CRIU,
+        "most any used", CRIU_LOG,
         "threads=max(t for _, t in found), processes=len(found))\n",
         "threads=found[-1][1], processes=len(found))\n",
         tests=["tests/unit/test_agent_criu.py"]),
