@@ -8,13 +8,22 @@
 #   dynsnap-agent        the same + CRIU $CRIU_VERSION with its CUDA plugin (hack/lib-criu.sh's build),
 #                        dynsnap-cuda (+ cuda-checkpoint), the runtime libraries CRIU links, iproute2
 #                        (ss), dynsnap-install-node-tools; runs as root
-#   dynsnap-entrypoint   busybox-static (for `cp`) + the static dynsnap-entrypoint; uid 65532
+#   dynsnap-entrypoint   busybox-static (for `cp`) + the static dynsnap-entrypoint and
+#                        libdynsnap-thp.so (the examples' two init containers copy them); uid 65532
+#   dynsnap-dynamo       the test environment's Dynamo worker/frontend image (what NVIDIA's
+#                        vllm-runtime image is to a cluster): Debian's python3 (3.11, the ABI of the
+#                        local Dynamo venv) + a venv at /opt/dynamo with that venv's site-packages
+#                        (ai-dynamo and ai-dynamo-runtime $DYNAMO_VERSION and their pinned
+#                        dependencies, hack/lib-dynamo.sh) + the tokenizer-only model directory at
+#                        /opt/dynamo/model; tagged $DYNAMO_VERSION
 # Each root filesystem comes from mmdebstrap; each image is an OCI image layout written by
 # hack/oci_image.py. The two Python images have two layers: the Debian tree with a venv of
 # dynsnap's dependencies (changes with the packages and the pins: cached), then dynsnap itself
 # and the image's own files (changes with every edit of dynsnap/: a few MB, repacked in seconds);
-# the entrypoint image is one layer. tests/integration/test_images.py checks their contents and
-# runs the controller and the agent from them under crun (Debian's OCI runtime, installed here).
+# the entrypoint image is one layer, and so is the Dynamo image (cached apart: it changes only with
+# Dynamo's pins and the model directory). tests/integration/test_images.py checks their contents and
+# runs the controller and the agent from them under crun (Debian's OCI runtime, installed here);
+# tests/integration/test_real_node_wake.py runs all four as pods of the real node.
 #
 # Cache (all under $CACHE):
 #   images-base/<flavor>-<suite>-<hash>.tar   mmdebstrap's trees (key: suite, packages, options)
@@ -23,6 +32,8 @@
 #                                              venv's pins; the trees' CPython in the name)
 #   images-layers/<flavor>-<hash>/             the first layer of a Python image (key: its tree and
 #                                              its wheels)
+#   images-layers/dynamo-<hash>/               the Dynamo image's layer (key: its tree, the Dynamo
+#                                              venv's requirements, the model directory)
 #   images-<version>-<hash>/dynsnap-*/         the OCI layouts (key: every input, the dynsnap
 #                                              package's sources included); the newest few kept
 # Exports DYNSNAP_IMAGES (that images-<version>-<hash> directory) and DYNSNAP_CRUN.
@@ -36,6 +47,8 @@ IMAGES_PY_PKGS=(python3 ca-certificates)
 # iproute2 for `ss -K` (the agent resets a woken worker's stale API-server connections with it).
 IMAGES_AGENT_PKGS=("${IMAGES_PY_PKGS[@]}" iproute2 libprotobuf-c1 libnl-3-200 libnet1 libbsd0 libnftables1
   libgnutls30 libuuid1)
+# The Dynamo image's tree: Dynamo's compiled modules (its runtime, tokenizers) link libstdc++.
+IMAGES_DYNAMO_PKGS=("${IMAGES_PY_PKGS[@]}" libstdc++6)
 IMAGES_KEEP=3   # image directories of other inputs kept (other checkouts, a branch switched back)
 
 _images_apt_deps() {
@@ -255,6 +268,52 @@ _images_python_image() {
   log "images: $name in $((SECONDS - t0)) s"
 }
 
+# Bump when what _images_dynamo_layer puts into the layer changes (its cache key).
+IMAGES_DYNAMO_RECIPE=1
+
+# _images_dynamo_dir BASE.tar: where the Dynamo image's layer is cached.
+_images_dynamo_dir() {
+  local key; key=$( { printf '%s\n' "$IMAGES_DYNAMO_RECIPE" "$DYNAMO_VERSION" "$(basename "$1")"
+    cat "$DYNSNAP_DYNAMO_VENV/.complete"; (cd "$DYNSNAP_MODEL_DIR" && LC_ALL=C sha256sum -- *); } \
+    | sha256sum | cut -c1-12)
+  echo "$CACHE/images-layers/dynamo-$key"
+}
+
+# _images_dynamo_layer BASE.tar PYVER: print the directory holding the Dynamo image's one layer
+# (layer.json + its blob), making it when not cached: mmdebstrap's python tree, a venv at /opt/dynamo
+# made by the tree's own python3 and filled with the local Dynamo venv's site-packages (pip left
+# out: nothing is installed in the image), the model directory at /opt/dynamo/model. The wheels'
+# compiled modules are for CPython PYVER (the ABI): the local venv must be of the same minor version.
+# Its bytecode stays (3.11.x share one magic number): a worker starts without compiling 700 MB.
+_images_dynamo_layer() {
+  local base="$1" pyver="$2"
+  local dir; dir=$(_images_dynamo_dir "$base")
+  if [[ -f "$dir/.complete" ]]; then echo "$dir"; return 0; fi
+  local site="$DYNSNAP_DYNAMO_VENV/lib/python$pyver/site-packages"
+  [[ -d "$site" ]] || die "images: the Dynamo venv ($DYNSNAP_DYNAMO_VENV) has no python$pyver site-packages: \
+the image's python3 is $pyver, and Dynamo's compiled modules are built for one CPython minor version"
+  local t0=$SECONDS tree; tree=$(mktemp -d "$IMAGES_WORK/dynamo-tree.XXXXXX")
+  tar -xf "$base" -C "$tree" || die "images: unpacking $base failed"
+  "${_IMAGES_CHROOT_ENV[@]}" chroot "$tree" /usr/bin/python3 -m venv --without-pip /opt/dynamo \
+    || die "images: python3 -m venv in the dynamo tree failed"
+  tar -C "$site" --exclude='./pip' --exclude='./pip-*.dist-info' -cf - . \
+    | tar -C "$tree/opt/dynamo/lib/python$pyver/site-packages" -xf - \
+    || die "images: copying the Dynamo venv's site-packages failed"
+  mkdir -p "$tree/opt/dynamo/model"
+  (cd "$DYNSNAP_MODEL_DIR" && cp -- *.json "$tree/opt/dynamo/model/") || die "images: copying the model directory failed"
+  # Dynamo's own check (hack/lib-dynamo.sh's), by Debian's python3 in the tree.
+  "${_IMAGES_CHROOT_ENV[@]}" chroot "$tree" /opt/dynamo/bin/python3 -c 'import dynamo.frontend, dynamo.mocker, dynamo._core' \
+    || die "images: dynamo.frontend / dynamo.mocker do not import in the dynamo tree"
+  rm -rf "$tree/root/.cache"
+  rm -rf "$dir"; mkdir -p "$dir"
+  "$DYNSNAP_VENV/bin/python" "$ROOT/hack/oci_image.py" layer --rootfs "$tree" --out "$dir/layer.json" >/dev/null \
+    || die "images: packing the dynamo layer failed"
+  rm -rf "$tree"
+  touch "$dir/.complete"
+  log "images: dynamo layer in $((SECONDS - t0)) s"
+  echo "$dir"
+}
+
 _images_controller_files() {
   # The controller's user: not root, and named, so that tools inside show a name.
   echo "dynsnap:x:65532:65532:dynsnap:/nonexistent:/usr/sbin/nologin" >> "$1/etc/passwd"
@@ -278,12 +337,16 @@ setup_images() {
     "$ROOT/pyproject.toml") || die "images: cannot read the version from pyproject.toml"
   local native="$ROOT/native/build"
   local -a inputs=("$DYNSNAP_CRIU" "$DYNSNAP_CRIU_DIR/lib/criu/cuda_plugin.so" "$native/dynsnap-cuda"
-    "$native/dynsnap-entrypoint" "$ROOT/hack/lib-images.sh" "$ROOT/hack/oci_image.py"
+    "$native/dynsnap-entrypoint" "$native/libdynsnap-thp.so" "$ROOT/hack/lib-images.sh" "$ROOT/hack/oci_image.py"
     "$ROOT/deploy/images/agent/dynsnap-install-node-tools")
-  local f; for f in "${inputs[@]}"; do [[ -f "$f" ]] || die "images: $f is missing (built earlier in setup)"; done
+  local f; for f in "${inputs[@]}" "$DYNSNAP_DYNAMO_VENV/.complete" "$DYNSNAP_MODEL_DIR/.complete"; do
+    [[ -f "$f" ]] || die "images: $f is missing (built earlier in setup)"
+  done
   # Everything the images are made of; the dev venv's package list stands for the pinned wheels.
-  local key; key=$( { printf '%s\n' "$version" "$(_images_suite)" "${IMAGES_AGENT_PKGS[@]}"; _images_src_hash
-    sha256sum "${inputs[@]}" | cut -d' ' -f1; ls "$DYNSNAP_VENV"/lib/python3*/site-packages; } \
+  local key; key=$( { printf '%s\n' "$version" "$(_images_suite)" "${IMAGES_AGENT_PKGS[@]}" "${IMAGES_DYNAMO_PKGS[@]}"
+    _images_src_hash
+    sha256sum "${inputs[@]}" | cut -d' ' -f1; ls "$DYNSNAP_VENV"/lib/python3*/site-packages
+    echo "$DYNAMO_VERSION"; cat "$DYNSNAP_DYNAMO_VENV/.complete"; (cd "$DYNSNAP_MODEL_DIR" && sha256sum -- *); } \
     | sha256sum | cut -c1-12)
   local out="$CACHE/images-$version-$key"
   export DYNSNAP_CRUN; DYNSNAP_CRUN=$(command -v crun || true)
@@ -299,11 +362,12 @@ setup_images() {
   local t0=$SECONDS scratch; scratch=$(_images_scratch)
   rm -rf "$scratch"/dynsnap-images-build.*
   IMAGES_WORK=$(mktemp -d "$scratch/dynsnap-images-build.XXXXXX")
-  log "images $version: building dynsnap-controller, dynsnap-agent, dynsnap-entrypoint"
-  local py_base agent_base bb_base
+  log "images $version: building dynsnap-controller, dynsnap-agent, dynsnap-entrypoint, dynsnap-dynamo"
+  local py_base agent_base bb_base dyn_base
   py_base=$(_images_base python essential "${IMAGES_PY_PKGS[@]}")
   agent_base=$(_images_base agent essential "${IMAGES_AGENT_PKGS[@]}")
   bb_base=$(_images_base busybox extract busybox-static)
+  dyn_base=$(_images_base dynamo essential "${IMAGES_DYNAMO_PKGS[@]}")
   # The wheels are for the trees' CPython (Debian's python3 of that release).
   local pyver; pyver=$(tar -tf "$py_base" | sed -n 's|^\./usr/bin/python\(3\.[0-9]*\)$|\1|p' | head -1)
   [[ -n "$pyver" ]] || die "images: no python3 in the $py_base tree"
@@ -345,6 +409,8 @@ setup_images() {
     cp "$bb/usr/share/doc/busybox-static/copyright" "$ep/usr/share/doc/busybox-static/"
   fi
   install -m 0755 "$native/dynsnap-entrypoint" "$ep/usr/local/bin/dynsnap-entrypoint"
+  # The examples' second init container (dynsnap-thp) copies it next to the entrypoint, which preloads it.
+  install -m 0644 "$native/libdynsnap-thp.so" "$ep/usr/local/bin/libdynsnap-thp.so"
   chmod 1777 "$ep/tmp"
   printf 'root:x:0:0:root:/root:/bin/sh\ndynsnap:x:65532:65532:dynsnap:/nonexistent:/bin/false\n' > "$ep/etc/passwd"
   printf 'root:x:0:\ndynsnap:x:65532:\n' > "$ep/etc/group"
@@ -354,8 +420,20 @@ setup_images() {
     "{\"Cmd\": [\"cp\", \"/usr/local/bin/dynsnap-entrypoint\", \"/dynsnap/bin/dynsnap-entrypoint\"],
       \"User\": \"65532:65532\", \"WorkingDir\": \"/\", \"Env\": [\"PATH=/bin\"],
       \"Labels\": {$labels, \"org.opencontainers.image.title\": \"dynsnap-entrypoint\"}}" \
-    "[\"busybox-static ($suite) + native/build/dynsnap-entrypoint\"]" "$IMAGES_WORK/entrypoint.json"
+    "[\"busybox-static ($suite) + native/build/dynsnap-entrypoint, libdynsnap-thp.so\"]" "$IMAGES_WORK/entrypoint.json"
   log "images: dynsnap-entrypoint in $((SECONDS - t1)) s"
+
+  # dynsnap-dynamo: `python3` on PATH is the venv's (a DGD's `python3 -m dynamo.frontend` as written).
+  local t2=$SECONDS dyn; dyn=$(_images_dynamo_layer "$dyn_base" "$pyver")
+  IMAGES_TAG="$DYNAMO_VERSION" _images_image dynsnap-dynamo "$out.tmp/dynsnap-dynamo" \
+    "{\"Cmd\": [\"python3\"], \"User\": \"0:0\", \"WorkingDir\": \"/\",
+      \"Env\": [\"PATH=/opt/dynamo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\"],
+      \"Labels\": {\"org.opencontainers.image.version\": \"$DYNAMO_VERSION\",
+                   \"org.opencontainers.image.source\": \"hack/lib-images.sh\",
+                   \"org.opencontainers.image.title\": \"dynsnap-dynamo\"}}" \
+    "[\"mmdebstrap $suite ${IMAGES_DYNAMO_PKGS[*]} + /opt/dynamo venv: ai-dynamo $DYNAMO_VERSION (hack/lib-dynamo.sh's) + model-tiny\"]" \
+    "$dyn/layer.json"
+  log "images: dynsnap-dynamo in $((SECONDS - t2)) s"
 
   rm -rf "$IMAGES_WORK"
   # Trees, layers and wheels of other inputs (an older package list or pins) are not used again.
@@ -363,7 +441,7 @@ setup_images() {
   py_deps=$(_images_deps_dir python "$py_base" "$wheels") agent_deps=$(_images_deps_dir agent "$agent_base" "$wheels")
   for f in "$CACHE"/images-base/*.tar "$CACHE"/images-layers/*/ "$CACHE"/images-wheels-*/; do
     case "${f%/}" in
-      "$py_base" | "$agent_base" | "$bb_base" | "${wheels%/}" | "$py_deps" | "$agent_deps") ;;
+      "$py_base" | "$agent_base" | "$bb_base" | "${wheels%/}" | "$py_deps" | "$agent_deps" | "$dyn_base" | "$dyn") ;;
       *) rm -rf "$f" ;;
     esac
   done

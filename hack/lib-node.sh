@@ -5,13 +5,15 @@
 #                           requires k8s.io/kubernetes, hack/lib-go.sh), the same version ldflags;
 #                           its own cache directory $CACHE/bin/kubelet-$KUBE_VERSION, so the
 #                           control plane's kube-$KUBE_VERSION stays valid
+#   kube-scheduler          the same way ($CACHE/bin/kube-scheduler-$KUBE_VERSION): the chart's pods
+#                           on a real node need one (build_kube_scheduler says why)
 #   containerd, runc        Debian bookworm's packages (NODE_CONTAINERD_VERSION, NODE_RUNC_VERSION)
 #   CNI plugins             Debian's containernetworking-plugins (bridge, host-local, loopback)
 #   dynsnap-pause           the pod sandbox image: native/build/dynsnap-pause (static C, waits
 #                           for SIGTERM/SIGINT, reaps children) as a one-layer OCI image layout at
 #                           $CACHE/pause-<hash>/dynsnap-pause
-# Exports DYNSNAP_KUBELET, DYNSNAP_CONTAINERD, DYNSNAP_CONTAINERD_SHIM, DYNSNAP_CTR, DYNSNAP_RUNC,
-# DYNSNAP_CNI_BIN, DYNSNAP_PAUSE_IMAGE (the layout) and DYNSNAP_PAUSE_REF (its image name).
+# Exports DYNSNAP_KUBELET, DYNSNAP_KUBE_SCHEDULER, DYNSNAP_CONTAINERD, DYNSNAP_CONTAINERD_SHIM,
+# DYNSNAP_CTR, DYNSNAP_RUNC, DYNSNAP_CNI_BIN, DYNSNAP_PAUSE_IMAGE (the layout) and DYNSNAP_PAUSE_REF (its image name).
 # Images reach a node's containerd when it runs: RealNode.import_image (node.py) makes the archive
 # `ctr -n k8s.io images import` reads from an OCI layout (this pause image's, hack/lib-images.sh's).
 # runc, not crun: runc 1.1.5 runs the pods here once containerd keeps the CRI from lowering
@@ -21,6 +23,7 @@
 # Sourced by hack/setup.sh (log/die, $CACHE, $ROOT, versions.env); setup_node is idempotent.
 
 export DYNSNAP_KUBELET="$CACHE/bin/kubelet-$KUBE_VERSION/kubelet"
+export DYNSNAP_KUBE_SCHEDULER="$CACHE/bin/kube-scheduler-$KUBE_VERSION/kube-scheduler"
 
 build_kubelet() {
   local out="$CACHE/bin/kubelet-$KUBE_VERSION"
@@ -44,6 +47,34 @@ build_kubelet() {
   rm -rf "$out"; mv "$out.tmp" "$out"
   flock -u "$_kubelet_lock"
   log "kubelet $KUBE_VERSION: built"
+}
+
+# kube-scheduler, from the same module and release: the chart's Deployment and DaemonSet pods have no
+# nodeName (the DaemonSet controller leaves the binding to the scheduler, with a node affinity per
+# node), so a real node's workloads need one. The session's control plane does not run it (kwok's
+# fake nodes and the sandboxes bind their pods themselves); dynsnap/testenv/workloads.py starts it
+# for the tests that run the chart as pods. Its own cache directory, like kubelet's.
+build_kube_scheduler() {
+  local out="$CACHE/bin/kube-scheduler-$KUBE_VERSION"
+  if [[ -x "$out/kube-scheduler" ]]; then log "kube-scheduler $KUBE_VERSION: cached"; return 0; fi
+  exec {_sched_lock}>"$CACHE/bin/.kube-scheduler-$KUBE_VERSION.lock"
+  flock "$_sched_lock"
+  if [[ -x "$out/kube-scheduler" ]]; then flock -u "$_sched_lock"; log "kube-scheduler $KUBE_VERSION: cached"; return 0; fi
+  log "kube-scheduler $KUBE_VERSION: building k8s.io/kubernetes/cmd/kube-scheduler"
+  resolve_goproxy
+  local src="$CACHE/src/kube-scheduler-$KUBE_VERSION"
+  rm -rf "$src" "$out.tmp"; mkdir -p "$src" "$out.tmp"
+  (
+    cd "$src"
+    kube_requiring_module dynsnap.local/schedulerbuild k8s.io/kubernetes/cmd/kube-scheduler
+    CGO_ENABLED=0 go build -tags tools -trimpath -ldflags "$(kube_ldflags)" -o "$out.tmp/kube-scheduler" \
+      k8s.io/kubernetes/cmd/kube-scheduler
+  ) || die "kube-scheduler build failed (source kept in $src)"
+  "$out.tmp/kube-scheduler" --version | grep -qxF "Kubernetes $KUBE_VERSION" \
+    || die "the kube-scheduler built does not say Kubernetes $KUBE_VERSION: $("$out.tmp/kube-scheduler" --version)"
+  rm -rf "$out"; mv "$out.tmp" "$out"
+  flock -u "$_sched_lock"
+  log "kube-scheduler $KUBE_VERSION: built"
 }
 
 # Debian's packages of the runtime (bookworm: containerd 1.6.20, runc 1.1.5, the CNI plugins 1.1.1).
@@ -119,6 +150,7 @@ _node_pause_image() {
 
 setup_node() {
   build_kubelet
+  build_kube_scheduler
   _node_apt
   _node_pause_image
   # kubelet's two fixed host paths (its device-plugin socket directory's parent and the

@@ -10,7 +10,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -194,10 +194,17 @@ class ChatResult:
     body: Any
 
 
+class HasIP(Protocol):
+    """A pod with an IP: a sandboxed pod (RunningPod) or one a real node runs (real_graph.NodePod)."""
+
+    @property
+    def ip(self) -> str: ...
+
+
 class FrontendClient:
     """Chat completions through the Dynamo frontend at its pod IP."""
 
-    def __init__(self, frontend: RunningPod, *, timeout: float = 30.0) -> None:
+    def __init__(self, frontend: HasIP, *, timeout: float = 30.0) -> None:
         self.base = f"http://{frontend.ip}:{P.DYNAMO_FRONTEND_PORT}"
         self.http = httpx.AsyncClient(timeout=timeout)
 

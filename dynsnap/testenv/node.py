@@ -8,7 +8,9 @@ namespaces under its state directory) and kubelet (a KubeletConfiguration and a 
 client certificate for ``system:node:<name>`` in ``system:nodes``, and a serving certificate, both
 signed by the environment's CA), registered as a real Node of the local API server. Pods get IPs
 from the node's podCIDR (a /24 of the run's network) on the run's own bridge, where the API
-server listens at the gateway, and the kubelet's API is served at that gateway address only.
+server listens at the gateway, and the kubelet's API is served at that gateway address only. The
+``kubernetes`` Service's address that kubelet gives every container reaches the API server through
+stub_kube_proxy (the stand-in for kube-proxy, a CNI plugin chained after the bridge).
 Images come from OCI layouts imported into containerd's ``k8s.io`` namespace (:meth:`import_image`);
 nothing is ever pulled (containerd's only proxy is a dead loopback port).
 
@@ -37,6 +39,7 @@ import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -46,6 +49,7 @@ from dynsnap.models import resources as R
 from dynsnap.runtime.command import find_tool, run_command
 from dynsnap.testenv import node_cleanup as clean
 from dynsnap.testenv import node_config as conf
+from dynsnap.testenv import stub_kube_proxy
 from dynsnap.testenv.controlplane import ControlPlane, free_port
 from dynsnap.testenv.netns import SandboxNetwork
 from dynsnap.testenv.pki import KUBELET_CLIENT_USER, issue_cert
@@ -130,6 +134,7 @@ class RealNode:
         self.cgroup_root = f"/dynsnap-{net.bridge}-{name}"
         self.network = f"dynsnap-{net.bridge}-{name}"
         self.kubelet_port = 0
+        self.kube_proxy: dict[str, object] | None = None  # stub_kube_proxy's conflist entry (_register)
         self.containerd: Supervised | None = None
         self.kubelet: Supervised | None = None
 
@@ -149,8 +154,8 @@ class RealNode:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._make_cgroup_root()
         self._write_credentials()
-        self._write_configs(bins)
         await self._register()
+        self._write_configs(bins)
         self.containerd = Supervised(f"containerd-{self.name}", [
             str(bins.containerd), "--config", str(self.layout.containerd_config)],
             log_path=self.layout.logs / "containerd.log",
@@ -194,10 +199,14 @@ class RealNode:
     def _write_configs(self, bins: NodeBinaries) -> None:
         lay = self.layout
         assert self.cp.pki is not None
-        lay.containerd_config.write_text(conf.containerd_toml(lay, pause_ref=bins.pause_ref, runc=bins.runc,
-                                                         cni_bin=bins.cni_bin))
+        lay.containerd_config.write_text(conf.containerd_toml(lay, pause_ref=bins.pause_ref, runc=bins.runc))
+        for plugin in ("bridge", "host-local", "loopback"):  # Debian's, by link; then the node's own
+            (lay.cni_bin_dir / plugin).unlink(missing_ok=True)
+            (lay.cni_bin_dir / plugin).symlink_to(bins.cni_bin / plugin)
+        stub_kube_proxy.install(lay.cni_bin_dir)
         cni = conf.cni_conflist(name=self.network, bridge=self.net.bridge, network=str(self.net.network),
-                            gateway=self.net.gateway, pod_cidr=self.pod_cidr, ipam_dir=lay.cni_ipam_dir)
+                            gateway=self.net.gateway, pod_cidr=self.pod_cidr, ipam_dir=lay.cni_ipam_dir,
+                            kube_proxy=self.kube_proxy)
         (lay.cni_conf_dir / "10-dynsnap.conflist").write_text(json.dumps(cni, indent=1) + "\n")
         self.kubelet_port = free_port(self.node_ip)
         settings = conf.KubeletSettings(
@@ -233,6 +242,12 @@ class RealNode:
         except Conflict:
             raise RuntimeError(f"a Node named {self.name} exists already in this cluster: another node's, or one "
                                "a stopped node did not delete; nothing was started") from None
+        # The API server's Service, as kubelet tells every container (stub_kube_proxy stands in for kube-proxy).
+        svc = await self.api.get(R.SERVICES, "kubernetes", namespace="default")
+        self.kube_proxy = stub_kube_proxy.plugin_config(
+            cluster_ip=svc["spec"]["clusterIP"], port=int(svc["spec"]["ports"][0]["port"]),
+            endpoint=urlsplit(self.cp.url).netloc, iptables=find_tool("iptables"),
+            nsenter=find_tool("nsenter"))
 
     async def _share_kubelet_root(self) -> None:
         """kubelet's root as a shared mount of its own, made in the host's namespace: the volumes

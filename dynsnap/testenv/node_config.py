@@ -38,6 +38,7 @@ KUBELET_SYSCTLS = {
     "kernel/keys/root_maxkeys": "1000000",
     "kernel/keys/root_maxbytes": "25000000",
 }
+POD_PIDS_LIMIT = 4096  # kubelet's podPidsLimit (pids.max of every pod's cgroup)
 # kubelet's fixed host paths, each replaced in its mount namespace by a directory of the run.
 KUBELET_HOST_DIRS = ("/var/lib/kubelet", "/var/log/containers")
 
@@ -73,6 +74,11 @@ class NodeLayout:
         return self.root / "cni" / "net.d"
 
     @property
+    def cni_bin_dir(self) -> Path:
+        """Debian's plugins (links) and the node's own (stub_kube_proxy): containerd 1.6 takes one directory."""
+        return self.root / "cni" / "bin"
+
+    @property
     def cni_ipam_dir(self) -> Path:
         return self.root / "cni" / "ipam"
 
@@ -106,7 +112,8 @@ class NodeLayout:
         return self.root / "logs"
 
     def dirs(self) -> list[Path]:
-        return [self.containerd_root, self.containerd_state, self.runc_root, self.cni_conf_dir, self.cni_ipam_dir,
+        return [self.containerd_root, self.containerd_state, self.runc_root, self.cni_conf_dir, self.cni_bin_dir,
+                self.cni_ipam_dir,
                 self.kubelet_root, self.pki, self.pod_logs, self.shadow, self.logs, self.root / "opt",
                 self.root / "volume-plugins"]
 
@@ -116,7 +123,7 @@ def _q(value: str | Path) -> str:
     return json.dumps(str(value))
 
 
-def containerd_toml(layout: NodeLayout, *, pause_ref: str, runc: Path, cni_bin: Path) -> str:
+def containerd_toml(layout: NodeLayout, *, pause_ref: str, runc: Path) -> str:
     """containerd 1.6's config (version 2): everything under the run, CRI with runc on cgroupfs."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return "\n".join([
@@ -158,7 +165,7 @@ def containerd_toml(layout: NodeLayout, *, pause_ref: str, runc: Path, cni_bin: 
         # runc's own state (--root) under the run too, not /run/containerd/runc.
         f"        Root = {_q(layout.runc_root)}",
         f"  [{cri}.cni]",
-        f"    bin_dir = {_q(cni_bin)}",
+        f"    bin_dir = {_q(layout.cni_bin_dir)}",
         f"    conf_dir = {_q(layout.cni_conf_dir)}",
         "    max_conf_num = 1",
         "",
@@ -172,10 +179,12 @@ def pod_ip_range(pod_cidr: str) -> tuple[str, str]:
     return str(hosts[0]), str(hosts[-1])
 
 
-def cni_conflist(*, name: str, bridge: str, network: str, gateway: str, pod_cidr: str, ipam_dir: Path) -> Obj:
+def cni_conflist(*, name: str, bridge: str, network: str, gateway: str, pod_cidr: str, ipam_dir: Path,
+                 kube_proxy: Obj | None = None) -> Obj:
     """The pod network: veths on the run's bridge, pod IPs from ``pod_cidr`` with the run's whole
     ``network`` as their subnet (so pods reach the bridge's gateway address, where the API server
-    listens, on the link), default route via that gateway.
+    listens, on the link), default route via that gateway; then ``kube_proxy`` (stub_kube_proxy's
+    entry: the ``kubernetes`` Service's cluster IP rewritten to the API server in each pod's namespace).
 
     ``isGateway`` is off: the bridge already carries the gateway address (SandboxNetwork), and the
     plugin would otherwise also turn on IPv4 forwarding host-wide, routing pod packets off this
@@ -192,7 +201,7 @@ def cni_conflist(*, name: str, bridge: str, network: str, gateway: str, pod_cidr
             "ipam": {"type": "host-local", "dataDir": str(ipam_dir),
                      "ranges": [[{"subnet": network, "rangeStart": first, "rangeEnd": last, "gateway": gateway}]],
                      "routes": [{"dst": "0.0.0.0/0"}]},
-        }],
+        }, *([kube_proxy] if kube_proxy else [])],
     }
 
 
@@ -228,6 +237,12 @@ def kubelet_configuration(layout: NodeLayout, s: KubeletSettings) -> Obj:
         "cgroupDriver": "cgroupfs", "cgroupRoot": s.cgroup_root, "cgroupsPerQOS": True, "failCgroupV1": False,
         "failSwapOn": False,
         "protectKernelDefaults": True,  # read, never write, the host's sysctls (KUBELET_SYSCTLS)
+        # As a cluster sets it: every container not privileged runs under the runtime's default seccomp
+        # profile (containerd 1.6's) unless its pod asks otherwise.
+        "seccompDefault": True,
+        # No pod may fork the shared machine to death; a worker's tree is far below it (and the pids a
+        # restore brings back count against it as the dumped ones did).
+        "podPidsLimit": POD_PIDS_LIMIT,
         "containerRuntimeEndpoint": endpoint, "imageServiceEndpoint": endpoint,
         "podLogsDir": str(layout.pod_logs), "volumePluginDir": str(layout.root / "volume-plugins"),
         # No cluster DNS and no nameserver: a lookup in a pod fails at once instead of reaching

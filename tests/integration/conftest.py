@@ -66,6 +66,8 @@ async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[LocalCluster]
             keep = Path(os.environ.get("DYNSNAP_KEEP_LOGS", "test-logs"))
             keep.mkdir(parents=True, exist_ok=True)
             for log in (workdir / "cluster").rglob("*.log"):
+                if not log.is_file():  # a real node's /var/log/containers links to pods' deleted logs
+                    continue
                 rel = log.relative_to(workdir / "cluster")
                 (keep / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(log, keep / rel)

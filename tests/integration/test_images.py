@@ -180,13 +180,43 @@ def test_entrypoint_image_is_busybox_and_the_static_entrypoint(images: dict[str,
     assert img.user == (CONTROLLER_UID, CONTROLLER_UID)
     files = img.files()
     regular = {p for p, m in files.items() if m.isfile()}
-    assert regular == {"bin/busybox", "usr/local/bin/dynsnap-entrypoint", "etc/passwd", "etc/group",
-                       "usr/share/doc/busybox-static/copyright"}, regular
+    assert regular == {"bin/busybox", "usr/local/bin/dynsnap-entrypoint", "usr/local/bin/libdynsnap-thp.so",
+                       "etc/passwd", "etc/group", "usr/share/doc/busybox-static/copyright"}, regular
     ep = img.read("usr/local/bin/dynsnap-entrypoint")
     assert ep == (NATIVE / "dynsnap-entrypoint").read_bytes() and _is_static_elf(ep)
     assert stat.S_IMODE(files["usr/local/bin/dynsnap-entrypoint"].mode) == 0o755
+    # What the examples' second init container (dynsnap-thp) copies out: the library the entrypoint preloads.
+    assert img.read("usr/local/bin/libdynsnap-thp.so") == (NATIVE / "libdynsnap-thp.so").read_bytes()
+    assert stat.S_IMODE(files["usr/local/bin/libdynsnap-thp.so"].mode) == 0o644
     assert files["bin/cp"].issym() and files["bin/cp"].linkname == "busybox"
     _nothing_writable_by(files, CONTROLLER_UID)
+
+
+def test_dynamo_image_is_debian_python_with_the_dynamo_venv_and_the_model() -> None:
+    """dynsnap-dynamo (the local stand-in for NVIDIA's Dynamo runtime images): Debian's python3 with a venv
+    whose site-packages are the local Dynamo venv's (the same files, the same CPython minor), pip left
+    out, the tokenizer-only model directory, and `python3` on its PATH the venv's. (It runs as the
+    worker and frontend pods of tests/integration/test_real_node_wake.py.)"""
+    img = OciImage.load(image_layout("dynsnap-dynamo"))
+    img.verify()
+    pins = dict(line.split("#")[0].strip().split("=", 1) for line in (ROOT / "hack" / "versions.env").read_text()
+                .splitlines() if "=" in line.split("#")[0])
+    assert img.ref_name == pins["DYNAMO_VERSION"]  # tagged with Dynamo's version
+    assert img.env["PATH"].split(":")[0] == "/opt/dynamo/bin" and img.user == (0, 0)
+    files = img.files()
+    venv = Path(os.environ["DYNSNAP_DYNAMO_VENV"])
+    (site,) = sorted(venv.glob("lib/python3.*/site-packages"))
+    pyver = site.parent.name  # python3.11: the wheels' compiled modules are for it
+    assert f"usr/bin/{pyver}" in files and files["opt/dynamo/bin/python3"].issym()
+    img_site = f"opt/dynamo/lib/{pyver}/site-packages"
+    for rel in ("dynamo/frontend/__init__.py", "dynamo/mocker/__init__.py", "tokenizers/__init__.py"):
+        assert img.read(f"{img_site}/{rel}") == (site / rel).read_bytes(), rel
+    assert [p for p in files if p.startswith(f"{img_site}/ai_dynamo_runtime-")], "no ai-dynamo-runtime"
+    assert not [p for p in files if p.startswith(f"{img_site}/pip/")]
+    assert any(p.startswith("usr/lib/") and "/libstdc++.so.6" in p for p in files)  # Dynamo's runtime links it
+    model = Path(os.environ["DYNSNAP_MODEL_DIR"])
+    for f in sorted(model.glob("*.json")):
+        assert img.read(f"opt/dynamo/model/{f.name}") == f.read_bytes(), f.name
 
 
 # -- the images run --------------------------------------------------------------------------------

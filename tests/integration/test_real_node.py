@@ -36,9 +36,14 @@ pytestmark = pytest.mark.cluster
 NODE = "node-real-0"
 POD = "real-node-web"
 GREETING = "real-node-says-hello"
-# busybox's httpd as the container's PID 1, serving the file its readiness probe asks for.
-WEB = ("echo " + GREETING + "; mkdir -p /tmp/www; echo ok > /tmp/www/healthz; "
-       "exec /bin/busybox httpd -f -p 8080 -h /tmp/www")
+# The API server asked at the address kubelet gives every container (the kubernetes Service's
+# cluster IP: stub_kube_proxy rewrites it in the pod's namespace), in plain HTTP: Go's TLS server
+# answers that with a 400 of its own words. Then busybox's httpd as the container's PID 1, serving
+# the file its readiness probe asks for.
+APISERVER_SAYS = "Client sent an HTTP request to an HTTPS server"
+WEB = ("echo " + GREETING + "; printf 'GET /livez HTTP/1.0\\r\\n\\r\\n' "
+       "| /bin/busybox nc -w 5 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT; echo; "
+       "mkdir -p /tmp/www; echo ok > /tmp/www/healthz; exec /bin/busybox httpd -f -p 8080 -h /tmp/www")
 
 
 def _host_sysctls() -> dict[str, str]:
@@ -137,7 +142,10 @@ async def test_pod_runs_on_the_real_node(cluster: LocalCluster, real_node: RealN
     async with httpx.AsyncClient(timeout=5) as http:
         r = await http.get(f"http://{ip}:8080/healthz")
     assert r.status_code == 200 and r.content == b"ok\n"
-    assert GREETING in await _pod_log(cluster, POD)
+    log = await _pod_log(cluster, POD)
+    assert GREETING in log
+    # The Service's address reached the API server, as kube-proxy would have it.
+    assert APISERVER_SAYS in log, log
 
     # Found the way the agent finds workers: the pod UID in /proc/<pid>/cgroup. Its container is
     # PID 1 of its own pid namespace; its cgroup is kubelet's cgroupfs layout under the node's root,

@@ -270,6 +270,36 @@ def test_agent_node_tools_dir_moves_the_tools_and_the_settings_together() -> Non
     assert spec["runtimeClassName"] == "nvidia"
 
 
+def test_agent_extra_volumes_reach_the_pod_and_the_agent_container() -> None:
+    """agent.extraVolumes / extraVolumeMounts (a driver's libraries from a host path, where no NVIDIA
+    container runtime mounts them), with extraEnv naming the library dynsnap-cuda loads; the chart's
+    own volumes and mounts stay as they are."""
+    spec = one(render("agent.extraVolumes[0].name=nvidia-driver",
+                      "agent.extraVolumes[0].hostPath.path=/home/kubernetes/bin/nvidia",
+                      "agent.extraVolumes[0].hostPath.type=Directory",
+                      "agent.extraVolumeMounts[0].name=nvidia-driver",
+                      "agent.extraVolumeMounts[0].mountPath=/usr/local/nvidia",
+                      "agent.extraVolumeMounts[0].readOnly=true",
+                      "agent.extraEnv[0].name=DYNSNAP_LIBCUDA",
+                      "agent.extraEnv[0].value=/usr/local/nvidia/lib64/libcuda.so.1"),
+               "DaemonSet", "dynsnap-agent")["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert set(vols) == {"images", "cuda-state", "node-tools", "nvidia-driver"}
+    assert vols["nvidia-driver"] == {"name": "nvidia-driver",
+                                     "hostPath": {"path": "/home/kubernetes/bin/nvidia", "type": "Directory"}}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert set(mounts) == {"images", "cuda-state", "node-tools", "nvidia-driver"}
+    assert mounts["nvidia-driver"] == {"name": "nvidia-driver", "mountPath": "/usr/local/nvidia", "readOnly": True}
+    assert container_env(c)["DYNSNAP_LIBCUDA"]["value"] == "/usr/local/nvidia/lib64/libcuda.so.1"
+    # Only the agent's container: the init containers see the chart's own host paths alone.
+    for init in spec["initContainers"]:
+        assert "nvidia-driver" not in {m["name"] for m in init["volumeMounts"]}
+    # None by default.
+    default = one(render(), "DaemonSet", "dynsnap-agent")["spec"]["template"]["spec"]
+    assert {v["name"] for v in default["volumes"]} == {"images", "cuda-state", "node-tools"}
+
+
 # -- uninstall ---------------------------------------------------------------------------------------------
 
 def test_uninstall_hook_wakes_everything_first_under_the_user_role_only() -> None:
@@ -336,6 +366,10 @@ BAD_VALUES = [
     ("agent.criuReadThreads=17", "/agent/criuReadThreads"),
     ("agent.nodeToolsDir=/", "/agent/nodeToolsDir"),
     ("agent.failureBackoff=900", "agent.failureBackoff (900) must not exceed agent.failureBackoffMax (600)"),
+    ("agent.extraVolumes[0].name=driver", "/agent/extraVolumes/0': minProperties"),  # a volume of no source
+    ("agent.extraVolumes[0].name=Driver_Libs", "/agent/extraVolumes/0/name"),
+    ("agent.extraVolumeMounts[0].name=driver", "/agent/extraVolumeMounts/0': missing property 'mountPath'"),
+    ("agent.extraVolumeMounts[0].mountPath=usr/lib", "/agent/extraVolumeMounts/0/mountPath"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("uninstall.timeout=0", "/uninstall/timeout"),
 ]

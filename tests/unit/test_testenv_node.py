@@ -5,6 +5,7 @@ anything starts. tests/integration/test_real_node.py runs them for real."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import subprocess
 import tomllib
 from pathlib import Path
@@ -17,6 +18,7 @@ from dynsnap.testenv.netns import SandboxNetwork
 from dynsnap.testenv.node import RealNode, image_ref, real_node_cidr
 from dynsnap.testenv.node_config import (
     KUBELET_NS_SCRIPT,
+    POD_PIDS_LIMIT,
     KubeletSettings,
     NodeLayout,
     cni_conflist,
@@ -24,6 +26,7 @@ from dynsnap.testenv.node_config import (
     kubelet_configuration,
 )
 from dynsnap.testenv.pki import issue_cert, make_pki
+from dynsnap.testenv.stub_kube_proxy import PLUGIN, install, plugin_config
 
 
 @pytest.mark.parametrize(("name", "ref"), [
@@ -55,6 +58,14 @@ def test_cni_conflist_gives_pod_ips_of_the_node_on_the_runs_subnet(tmp_path: Pat
     assert rng == {"subnet": "10.225.0.0/16", "rangeStart": "10.225.200.1", "rangeEnd": "10.225.200.254",
                    "gateway": "10.225.0.1"}
     assert bridge["ipam"]["dataDir"] == str(tmp_path)
+    # stub_kube_proxy's entry is chained after the bridge when given.
+    proxy = plugin_config(cluster_ip="10.96.0.1", port=443, endpoint="10.225.0.1:6443", iptables="/usr/sbin/iptables",
+                          nsenter="/usr/bin/nsenter")
+    chained = cni_conflist(name="n", bridge="dsnunit0", network="10.225.0.0/16", gateway="10.225.0.1",
+                           pod_cidr="10.225.200.0/24", ipam_dir=tmp_path, kube_proxy=proxy)
+    assert [p["type"] for p in chained["plugins"]] == ["bridge", PLUGIN]
+    assert chained["plugins"][1]["services"] == [{"name": "default/kubernetes", "clusterIP": "10.96.0.1", "port": 443,
+                                                  "endpoint": "10.225.0.1:6443"}]
     with pytest.raises(ValueError, match="not inside the run's network"):
         cni_conflist(name="n", bridge="b", network="10.225.0.0/16", gateway="10.225.0.1", pod_cidr="10.226.0.0/24",
                      ipam_dir=tmp_path)
@@ -62,8 +73,7 @@ def test_cni_conflist_gives_pod_ips_of_the_node_on_the_runs_subnet(tmp_path: Pat
 
 def test_containerd_config_keeps_everything_under_the_run(tmp_path: Path) -> None:
     lay = NodeLayout(tmp_path / "node")
-    cfg = tomllib.loads(containerd_toml(lay, pause_ref="localhost/dynsnap-pause:x", runc=Path("/usr/sbin/runc"),
-                                        cni_bin=Path("/usr/lib/cni")))
+    cfg = tomllib.loads(containerd_toml(lay, pause_ref="localhost/dynsnap-pause:x", runc=Path("/usr/sbin/runc")))
     assert cfg["root"] == str(lay.containerd_root) and cfg["state"] == str(lay.containerd_state)
     assert cfg["grpc"]["address"] == str(lay.containerd_socket)
     assert cfg["plugins"]["io.containerd.internal.v1.opt"]["path"].startswith(str(lay.root))
@@ -74,6 +84,7 @@ def test_containerd_config_keeps_everything_under_the_run(tmp_path: Path) -> Non
     runc = cri["containerd"]["runtimes"]["runc"]
     assert runc["options"] == {"SystemdCgroup": False, "BinaryName": "/usr/sbin/runc", "Root": str(lay.runc_root)}
     assert cri["cni"]["conf_dir"] == str(lay.cni_conf_dir)
+    assert cri["cni"]["bin_dir"] == str(lay.cni_bin_dir) and lay.cni_bin_dir.is_relative_to(lay.root)
 
 
 def test_kubelet_configuration_is_a_cgroupfs_node_that_writes_no_host_sysctl(tmp_path: Path) -> None:
@@ -89,6 +100,32 @@ def test_kubelet_configuration_is_a_cgroupfs_node_that_writes_no_host_sysctl(tmp
     assert cfg["authorization"] == {"mode": "Webhook"}
     assert cfg["containerRuntimeEndpoint"] == f"unix://{lay.containerd_socket}"
     assert all(v == "0%" for v in cfg["evictionHard"].values())
+    # As a cluster sets them: the runtime's default seccomp profile, a pids limit per pod.
+    assert cfg["seccompDefault"] is True and cfg["podPidsLimit"] == POD_PIDS_LIMIT > 0
+
+
+def _plugin(tmp_path: Path, command: str, stdin: str, netns: str = "") -> subprocess.CompletedProcess[str]:
+    exe = install(tmp_path / "bin")
+    return subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, timeout=30, check=False,
+                          env={"CNI_COMMAND": command, "CNI_NETNS": netns, "PATH": "/usr/bin:/bin"})
+
+
+def test_stub_kube_proxy_speaks_cni_and_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    """The plugin as containerd runs it (its installed wrapper, stdin and CNI_* env): VERSION lists the
+    spec versions; DEL has nothing to undo and says nothing; a config that is no JSON, or an ADD without a
+    network namespace, is a CNI error (code 999, a message) and a non-zero exit, never a silent success.
+    (tests/integration/test_real_node.py runs its ADD: a pod reaches the API server at the Service's IP.)"""
+    res = _plugin(tmp_path, "VERSION", "")
+    assert res.returncode == 0 and "1.0.0" in json.loads(res.stdout)["supportedVersions"]
+    conf = {"cniVersion": "1.0.0", "name": "n", **plugin_config(
+        cluster_ip="10.96.0.1", port=443, endpoint="10.225.0.1:6443", iptables="/usr/sbin/iptables",
+        nsenter="/usr/bin/nsenter"), "prevResult": {"ips": [{"address": "10.225.200.5/16"}]}}
+    res = _plugin(tmp_path, "DEL", json.dumps(conf))
+    assert res.returncode == 0 and res.stdout == ""
+    for stdin, netns, says in (("{not json", "/run/netns/x", "not JSON"), (json.dumps(conf), "", "CNI_NETNS is empty")):
+        res = _plugin(tmp_path, "ADD", stdin, netns)
+        err = json.loads(res.stdout)
+        assert res.returncode != 0 and err["code"] == 999 and says in err["msg"], res
 
 
 def test_kubelet_mount_namespace_script_is_valid_shell() -> None:

@@ -1,0 +1,144 @@
+"""A Dynamo graph on the real node: a DynamoGraphDeployment as a user writes it (examples/dgd/), made
+runnable here by a local overlay, and what the Dynamo operator would make of it created in the API
+server by its stand-in (stub_operator: the Services, the graph's discovery RBAC, the pods), the pods
+bound to the real node, where kubelet, containerd and runc run them from the local images.
+
+Layer: ``dynsnap.testenv`` (test harness only).
+
+:func:`local_overlay` changes only what cannot be as the example ships it here, each for a reason:
+
+- the images: the local ones (hack/lib-images.sh: ``dynsnap-dynamo`` for the frontend and the
+  workers, ``dynsnap-entrypoint`` for both init containers), imported into the node's containerd;
+- the worker's command after the entrypoint's ``--``: Dynamo's mocker on CPU with the image's
+  tokenizer-only model directory instead of vLLM and a model from the hub (no GPU, no hub here);
+- the policy annotations the test asks for (``dynsnap.io/tier`` ...), by name;
+- a memory limit on the worker container, so that a test can show the limit still holds after a wake;
+- the stub driver in the GPU container, where NVIDIA's container toolkit would put the real one
+  (stub_gpu_stack.with_driver).
+
+Nothing else: the init containers, the probes on the entrypoint, the readiness gate, the control
+directory's emptyDir and the worker container's security context stay exactly as the example has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from dynsnap.k8s.client import Kube
+from dynsnap.k8s.errors import Conflict, NotFound
+from dynsnap.models import resources as R
+from dynsnap.testenv import stub_gpu_stack, stub_operator
+from dynsnap.testenv.cluster import TEST_NAMESPACE, wait_for
+from dynsnap.testenv.dynamo import MODEL_NAME
+from dynsnap.testenv.dynsnap_parts import StubDriver
+
+Obj = dict[str, Any]
+MODEL_DIR = "/opt/dynamo/model"  # where hack/lib-images.sh puts the model directory in dynsnap-dynamo
+
+
+@dataclass(frozen=True)
+class NodePod:
+    """A pod of the graph as the API server has it once kubelet runs it."""
+
+    name: str
+    namespace: str
+    uid: str
+    ip: str
+    node: str
+
+
+@dataclass(frozen=True)
+class Graph:
+    dgd: Obj
+    pods: dict[str, list[NodePod]]  # component name -> pods
+
+    @property
+    def frontend(self) -> NodePod:
+        return next(p for c in self.dgd["spec"]["components"] if stub_operator.component_type(c) == "frontend"
+                    for p in self.pods[c["name"]])
+
+    def workers(self, component: str) -> list[NodePod]:
+        return self.pods[component]
+
+
+def mocker_args(*, speedup_ratio: float = 100) -> list[str]:
+    """The worker command after the entrypoint's ``--``: Dynamo's mocker (``python3`` is the image's venv)."""
+    return ["python3", "-m", "dynamo.mocker", "--model-path", MODEL_DIR, "--model-name", MODEL_NAME,
+            "--speedup-ratio", f"{speedup_ratio:g}"]
+
+
+def local_overlay(dgd: Obj, *, dynamo_image: str, entrypoint_image: str, driver: StubDriver,
+                  policy: dict[str, str], memory_limit: str, namespace: str = TEST_NAMESPACE) -> Obj:
+    """``dgd`` (an examples/dgd/ graph) as it runs here; the module docstring lists every change."""
+    out = copy.deepcopy(dgd)
+    out["metadata"]["namespace"] = namespace
+    out["metadata"].setdefault("annotations", {}).update(policy)
+    for comp in out["spec"]["components"]:
+        spec = comp["podTemplate"]["spec"]
+        for init in spec.get("initContainers") or []:
+            init["image"] = entrypoint_image
+        for c in spec["containers"]:
+            c["image"] = dynamo_image
+        if stub_operator.component_type(comp) == "frontend":
+            continue
+        main = next(c for c in spec["containers"] if c["name"] == "main")
+        if "--" not in main.get("command", []):
+            raise ValueError(f"component {comp['name']}: its command does not end in the entrypoint's --")
+        main["args"] = mocker_args()
+        main.setdefault("resources", {}).setdefault("limits", {})["memory"] = memory_limit
+        comp["podTemplate"]["spec"] = stub_gpu_stack.with_driver(spec, driver)
+    return out
+
+
+async def _pod_running(api: Kube, namespace: str, name: str) -> Obj | None:
+    pod = await api.get(R.PODS, name, namespace=namespace)
+    return pod if pod.get("status", {}).get("podIP") else None
+
+
+async def deploy(api: Kube, body: Obj, *, node: str, timeout: float = 180) -> Graph:
+    """Create the DGD and what the operator would (its stand-in's objects), the pods bound to ``node``;
+    returns once every pod has its IP from the node (not yet Ready: a dynsnap worker is Ready only
+    once the controller has set its serving gate)."""
+    created = await api.create(R.DGDS, body)
+    for res, obj in stub_operator.discovery_rbac(created):
+        with contextlib.suppress(Conflict):
+            await api.create(res, obj)
+    pods: dict[str, list[NodePod]] = {}
+    ns = created["metadata"]["namespace"]
+    for comp in stub_operator.components(created):
+        await api.create(R.SERVICES, stub_operator.component_service(created, comp))
+        names = []
+        for pod in stub_operator.component_pods(created, comp):
+            pod["spec"]["nodeName"] = node
+            names.append((await api.create(R.PODS, pod))["metadata"]["name"])
+        lives = await asyncio.gather(*(wait_for(f"pod {ns}/{n} running on {node}",
+                                                lambda n=n: _pod_running(api, ns, n), timeout=timeout, interval=0.5)
+                                       for n in names))
+        pods[comp["name"]] = [NodePod(p["metadata"]["name"], ns, p["metadata"]["uid"], p["status"]["podIP"], node)
+                              for p in lives]
+    return Graph(created, pods)
+
+
+async def teardown(api: Kube, graph: Graph, *, timeout: float = 120) -> None:
+    """The DGD deleted in the foreground: the garbage collector deletes what it owns (the pods, through
+    kubelet, which stops their containers), and the DGD goes once they are gone."""
+    name, ns = graph.dgd["metadata"]["name"], graph.dgd["metadata"]["namespace"]
+    with contextlib.suppress(NotFound):
+        await api.delete(R.DGDS, name, namespace=ns, propagation="Foreground")
+
+    async def gone() -> bool:
+        left = [p for ps in graph.pods.values() for p in ps]
+        for p in left:
+            with contextlib.suppress(NotFound):
+                await api.get(R.PODS, p.name, namespace=p.namespace)
+                return False
+        try:
+            await api.get(R.DGDS, name, namespace=ns)
+        except NotFound:
+            return True
+        return False
+    await wait_for(f"DGD {ns}/{name} and its pods gone", gone, timeout=timeout, interval=0.5)

@@ -1,0 +1,287 @@
+"""dynsnap on the real node, as a user runs it (issue 19): ``helm install`` of deploy/helm/dynsnap puts
+the controller Deployment and the agent DaemonSet on the node as pods of the project's images, and
+examples/dgd/agg.yaml under the local overlay (real_graph.py: the local images, the mocker, a memory
+limit, the GPU stand-in's driver) runs as pods that the node's kubelet, containerd and runc run. One
+worker is captured and woken in place by dynsnap itself, through the manual override on its pod (as
+``dynsnap suspend|wake`` sets it), three times in each tier, while a trickle of unpinned requests
+runs through the frontend. Each wake must be verified by the controller's pinned requests, and the
+facts of the ones who own them must hold: kubelet's (the same container id, restartCount, pod UID
+and IP), runc's and containerd's (the same container running), the kernel's (the woken tree in the
+container's own namespaces and cgroups, under its memory and pids limits, with the seccomp and
+capability state the runtime gave it), and the GPU driver stand-in's (checkpointed while asleep,
+running after).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from controllerenv import Load, asleep, cond, events_for, verified_after
+from realnodeenv import NODE, NS, RELEASE, WORKER_COMPONENT, Env, start, stop
+from realnodefacts import (
+    KubeletFacts,
+    cgroup_file,
+    cgroups,
+    container_procs,
+    containerd_task,
+    get_ws,
+    kubelet_facts,
+    namespaces,
+    runc_state,
+    security,
+    stub_state,
+)
+
+from dynsnap.k8s.client import Obj
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.runtime import procfs
+from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.node_config import POD_PIDS_LIMIT
+from dynsnap.testenv.oci import OciImage, image_layout
+from dynsnap.testenv.real_graph import NodePod
+
+pytestmark = pytest.mark.cluster
+
+CYCLES = 3
+CAP_CHECKPOINT_RESTORE = 40
+MEMORY_LIMIT_BYTES = 2 * 2**30  # realnodeenv.WORKER_MEMORY_LIMIT
+TIMINGS: dict[str, list[float]] = {"suspend": [], "snapshot": []}
+
+
+@pytest.fixture(scope="module")
+async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    e = await start(cluster, Path(tmp_path_factory.mktemp("real-node-wake")), tier="suspend")
+    try:
+        yield e
+    except BaseException:
+        print(await e.dump_logs())
+        raise
+    finally:
+        for tier, secs in TIMINGS.items():  # for docs/BENCHMARKS.md; never asserted
+            if secs:
+                print(f"\nreal node, tier {tier}: wake (lastWake) {', '.join(f'{s:.3f}' for s in secs)} s; "
+                      f"median {statistics.median(secs):.3f} s")
+        problems = await stop(e)
+        assert not problems, "\n".join(problems)
+
+
+def _host_pid(pod: Obj, container: str) -> int:
+    cid = next(c for c in pod["status"]["containerStatuses"] if c["name"] == container)["containerID"]
+    pids = [p for p in procfs.pod_pids(pod["metadata"]["uid"]) if any(cid.split("//")[1] in c for c in
+                                                                      procfs.cgroup_paths(p))]
+    assert pids, f"no process of {pod['metadata']['name']}/{container}"
+    return min(pids)
+
+
+async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
+    """The chart's Deployment and DaemonSet, each one pod on the node, Ready, from the project's images,
+    under the chart's service accounts; the agent privileged in the host's pid namespace with the
+    patched CRIU its init container installed from its image; both reach the API server at the address
+    kubelet gave them (the kubernetes Service)."""
+    (ctl,) = await env.chart_pods("controller")
+    (agent,) = await env.chart_pods("agent")
+    for pod, sa, image in ((ctl, f"{RELEASE}-controller", "dynsnap-controller"),
+                           (agent, f"{RELEASE}-agent", "dynsnap-agent")):
+        assert pod["spec"]["nodeName"] == NODE and pod["spec"]["serviceAccountName"] == sa
+        (cs,) = pod["status"]["containerStatuses"]
+        assert cs["ready"] and cs["restartCount"] == 0 and cs["image"] == f"docker.io/library/{env.images[image]}"
+        pid = _host_pid(pod, cs["name"])
+        assert (Path(f"/proc/{pid}/root") / "opt/dynsnap/bin/dynsnap").is_file()  # the image's, not this checkout
+        assert procfs.environ(pid)["KUBERNETES_SERVICE_HOST"] == env.node.kube_proxy["services"][0]["clusterIP"]  # type: ignore[index]
+    lease = await env.api.get(R.LEASES, f"{RELEASE}-controller", namespace=NS)
+    assert lease["spec"]["holderIdentity"] == ctl["metadata"]["name"]
+    ctl_sec = security(_host_pid(ctl, "controller"))
+    assert ctl_sec["CapEff"] == "0000000000000000" and ctl_sec["NoNewPrivs"] == "1" and ctl_sec["Seccomp"] == "2"
+    assert agent["spec"]["hostPID"] is True
+    assert agent["spec"]["containers"][0]["securityContext"] == {"privileged": True}
+    assert security(_host_pid(agent, "agent"))["Seccomp"] == "0"  # privileged: unconfined
+    # The node tools the init container put on the node are the image's CRIU, with dynsnap's patches.
+    criu = (env.paths.tools / "bin" / "criu").read_bytes()
+    assert criu == OciImage.load(image_layout("dynsnap-agent")).read("usr/local/sbin/criu")
+    assert b"DYNSNAP_CRIU_READ_THREADS" in criu and b"early madvise(" in criu  # patches 0002 and 0001
+    assert oct(env.paths.images.stat().st_mode & 0o777) == "0o700"
+
+
+async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
+    """Each worker: both init containers of the example completed from the entrypoint image, the copied
+    entrypoint as the container's PID 1 with its control directory on the emptyDir kubelet keeps, the
+    probes, the readiness gate and the security context exactly as examples/dgd/agg.yaml has them,
+    containerd's default seccomp profile, the huge-page library and the GPU stand-in's driver mapped
+    into the worker; each serves requests pinned to it."""
+    assert env.graph is not None and env.fe is not None
+    example = next(c for c in env.graph.dgd["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+    want = next(c for c in example["podTemplate"]["spec"]["containers"] if c["name"] == "main")
+    for w in env.graph.workers(WORKER_COMPONENT):
+        pod = await env.api.get(R.PODS, w.name, namespace=w.namespace)
+        inits = {c["name"]: c["state"].get("terminated", {}) for c in pod["status"]["initContainerStatuses"]}
+        assert {n: t.get("exitCode") for n, t in inits.items()} == {"dynsnap-entrypoint": 0, "dynsnap-thp": 0}
+        assert {"conditionType": P.CONDITION_SERVING} in pod["spec"]["readinessGates"]
+        main = next(c for c in pod["spec"]["containers"] if c["name"] == "main")
+        assert main["securityContext"] == want["securityContext"] == {"capabilities": {"add": ["CHECKPOINT_RESTORE"]}}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert main[probe]["httpGet"]["port"] == "probe" and main[probe] == pod["spec"]["containers"][0][probe]
+        facts = await kubelet_facts(env.api, w)
+        procs = container_procs(w.uid, facts.container_id)
+        assert procfs.cmdline(procs.entrypoint)[:1] == ["/dynsnap/bin/dynsnap-entrypoint"]
+        volumes = env.node.layout.kubelet_root / "pods" / w.uid / "volumes"
+        control = volumes / "kubernetes.io~empty-dir" / "dynsnap-control"
+        assert (control / "entrypoint.json").is_file()
+        maps = procfs.maps_paths(procs.root)
+        assert "/dynsnap/bin/libdynsnap-thp.so" in maps and str(env.driver.libcuda) in maps
+        sec = security(procs.root)
+        assert sec["Seccomp"] == "2" and int(sec["CapEff"], 16) & (1 << CAP_CHECKPOINT_RESTORE)
+        assert security(procs.entrypoint)["Seccomp"] == "2"  # RuntimeDefault: the kubelet's seccompDefault
+        iid = instance_id_from_dwm(await env.api.get(R.DWMS, w.name, namespace=w.namespace))
+        await env.fe.wait_routable(iid, timeout=60)
+
+
+async def _override(env: Env, w: NodePod, value: str) -> None:
+    await env.api.merge_patch(R.PODS, w.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: value}}},
+                              namespace=w.namespace)
+
+
+async def _wait_ws(env: Env, w: NodePod, what: str, check: Callable[[Obj | None], bool], timeout: float = 240) -> Obj:
+    async def probe() -> Obj | None:
+        ws = await get_ws(env.api, w)
+        return ws if check(ws) else None
+    try:
+        got: Obj = await wait_for(f"{w.name}: {what}", probe, timeout=timeout, interval=0.5)
+    except TimeoutError:
+        print("LAST WORKERSNAPSHOT:", await get_ws(env.api, w))
+        raise
+    return got
+
+
+def _seconds(record: Obj) -> float:
+    return (datetime.fromisoformat(record["finished"]) - datetime.fromisoformat(record["started"])).total_seconds()
+
+
+@contextlib.asynccontextmanager
+async def _trickle(env: Env) -> AsyncIterator[Load]:
+    """Unpinned requests through the frontend all along: the peer serves them; none may fail."""
+    assert env.fe is not None
+    load = Load(env.fe, concurrency=1, pause=1.0, max_tokens=2)
+    load.start()
+    try:
+        yield load
+    finally:
+        await load.stop()
+    assert load.results and not load.failures(), load.failures()[:5]
+
+
+async def _ready_is(env: Env, w: NodePod, ready: bool) -> bool:
+    return (await kubelet_facts(env.api, w)).ready is ready
+
+
+async def _cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], Awaitable[None]]) -> Obj:
+    """Suspend ``w`` through the override, run ``while_asleep`` on its WorkerSnapshot, wake it; returns the
+    woken WorkerSnapshot once the controller has verified this wake and the pod is Ready again."""
+    before = (((await get_ws(env.api, w)) or {}).get("status") or {}).get("lastWake", {}).get("id")
+    await _override(env, w, "suspended")
+    slept = await _wait_ws(env, w, f"asleep ({tier})", asleep)
+    assert slept["status"]["lastCapture"]["ok"] is True and slept["status"]["lastCapture"]["tier"] == tier
+    # Out of serving only through the gate: kubelet's own readiness says so while the worker sleeps.
+    await wait_for(f"{w.name} not Ready while asleep", lambda: _ready_is(env, w, False), timeout=60, interval=0.5)
+    await while_asleep(slept)
+    await _override(env, w, "active")
+    woken = await _wait_ws(env, w, "woken and verified", verified_after(before))
+    wake = woken["status"]["lastWake"]
+    assert wake["ok"] is True and wake["tier"] == tier
+    v = woken["status"]["controller"]["verification"]
+    dwm = await env.api.get(R.DWMS, w.name, namespace=w.namespace)
+    assert v["ok"] is True and v["answered"] == v["requests"] == 3 and v["workerId"] == instance_id_from_dwm(dwm)
+    verified = cond(woken, "Verified")
+    assert verified is not None and verified["status"] == "True" and verified["reason"] == "Verified"
+    await wait_for(f"{w.name} Ready again", lambda: _ready_is(env, w, True), timeout=60, interval=0.5)
+    TIMINGS[tier].append(_seconds(wake))
+    return woken
+
+
+async def _runtime_runs(env: Env, container_id: str, pid: int) -> None:
+    """runc and containerd report the container running, with its PID 1 the same process."""
+    state = await runc_state(env.node, container_id)
+    assert state["id"] == container_id and state["status"] == "running" and state["pid"] == pid, state
+    assert await containerd_task(env.node, container_id) == (pid, "RUNNING")
+
+
+async def _same_pod(env: Env, w: NodePod, first: KubeletFacts) -> None:
+    now = await kubelet_facts(env.api, w)
+    assert (now.uid, now.ip, now.container_id, now.restart_count, now.running) == (
+        w.uid, w.ip, first.container_id, first.restart_count, True)
+
+
+async def test_suspend_wakes_in_place_on_real_containers(env: Env) -> None:
+    """Tier suspend, three times: the worker's processes stay (the same host pid), checkpointed by the
+    driver while asleep and running after; the container the same one, never restarted."""
+    assert env.graph is not None
+    w = env.graph.workers(WORKER_COMPONENT)[0]
+    first = await kubelet_facts(env.api, w)
+    procs = container_procs(w.uid, first.container_id)
+    worker = procs.root
+
+    async def asleep_facts(_: Obj) -> None:
+        assert stub_state(env.driver, worker) == 2  # checkpointed
+        assert container_procs(w.uid, first.container_id).root == worker
+        await _runtime_runs(env, first.container_id, procs.entrypoint)
+        await _same_pod(env, w, first)
+
+    async with _trickle(env):
+        for _ in range(CYCLES):
+            await _cycle(env, w, "suspend", asleep_facts)
+            await _same_pod(env, w, first)
+            assert stub_state(env.driver, worker) == 0 and container_procs(w.uid, first.container_id).root == worker
+    reasons = {e["reason"] for e in await events_for(env.api, w.namespace, w.name)}
+    assert {"Quiescing", "CaptureRequested", "WakeRequested", "Verified"} <= reasons, reasons
+
+
+async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
+    """Tier snapshot, three times: while asleep no process of the worker's tree is left, yet runc and
+    containerd still run the container (its PID 1, the entrypoint); woken, the restored tree has the
+    worker's own pid in the container's pid namespace, every namespace and every cgroup of the
+    container, its memory limit and its pod's pids limit over it, and the seccomp, no_new_privs and
+    capability state it had before the capture."""
+    assert env.graph is not None
+    w = env.graph.workers(WORKER_COMPONENT)[0]
+    await env.api.merge_patch(R.DGDS, env.graph.dgd["metadata"]["name"],
+                              {"metadata": {"annotations": {"dynsnap.io/tier": "snapshot"}}},
+                              namespace=env.graph.dgd["metadata"]["namespace"])
+    await _wait_ws(env, w, "tier snapshot", lambda ws: bool(ws and ws["spec"]["tier"] == "snapshot"), timeout=60)
+    first = await kubelet_facts(env.api, w)
+    procs = container_procs(w.uid, first.container_id)
+    ep, ns_pid = procs.entrypoint, procfs.status(procs.root).nspid[-1]  # type: ignore[union-attr]
+    sec_before, ns_before = security(procs.root), namespaces(ep)
+    container_cg = cgroups(ep)
+
+    async def asleep_facts(ws: Obj) -> None:
+        assert container_procs(w.uid, first.container_id).tree == ()  # the whole tree is in the images
+        await _runtime_runs(env, first.container_id, ep)
+        await _same_pod(env, w, first)
+        image = Path(ws["status"]["image"]["path"])
+        assert image.is_relative_to(env.paths.images) and "Dumping finished successfully" in (
+            image / "dump.log").read_text(errors="replace")
+
+    async with _trickle(env):
+        for _ in range(CYCLES):
+            await _cycle(env, w, "snapshot", asleep_facts)
+            await _same_pod(env, w, first)
+            await _runtime_runs(env, first.container_id, ep)
+            now = container_procs(w.uid, first.container_id)
+            root = now.root
+            assert procfs.status(root).nspid[-1] == ns_pid  # type: ignore[union-attr]
+            assert namespaces(root) == ns_before
+            for pid in now.tree:  # every restored process: the container's cgroups, all of them
+                assert cgroups(pid) == container_cg, (pid, cgroups(pid), container_cg)
+            assert security(root) == sec_before
+            mem = container_cg["memory"]
+            assert int(cgroup_file("memory", mem, "memory.limit_in_bytes")) == MEMORY_LIMIT_BYTES
+            assert str(root) in cgroup_file("memory", mem, "cgroup.procs").split()
+            pod_pids = str(Path(container_cg["pids"]).parent)
+            assert cgroup_file("pids", pod_pids, "pids.max") == str(POD_PIDS_LIMIT)
+            assert int(cgroup_file("pids", pod_pids, "pids.current")) >= len(now.tree) + 1
