@@ -89,7 +89,8 @@ async def execute(settings: AgentSettings, subject: Subject, *, action: str, tie
 
 
 def _brief(info: dict[str, Any]) -> dict[str, Any]:
-    keep = ("gpus", "helper", "criuSeconds", "pagesRead", "imageBytes", "image", "staging", "source", "removed")
+    keep = ("gpus", "helper", "criuSeconds", "pagesRead", "imageBytes", "image", "staging", "source", "removed",
+            "engine")
     out = {k: info[k] for k in keep if k in info}
     if "pids" in info:
         out["pids"] = info["pids"]
