@@ -103,7 +103,7 @@ def _emit(out: TextIO | None, obj: dict[str, Any]) -> None:
         out.flush()
 
 
-def subject_for(uid: str, *, namespace: str = "default", pod: str = "worker", entrypoint: int | None = None
-                ) -> Subject:
+def subject_for(uid: str, *, namespace: str = "default", pod: str = "worker", entrypoint: int | None = None,
+                system_url: str | None = None) -> Subject:
     return Subject(namespace=namespace, pod=pod, uid=PodUID(uid),
-                   entrypoint=HostPid(entrypoint) if entrypoint else None)
+                   entrypoint=HostPid(entrypoint) if entrypoint else None, system_url=system_url)
