@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--quiesced", action="store_true",
                     help="confirm the worker was taken out of serving (a capture refuses without it)")
     ex.add_argument("--metrics-url", help="also refuse a capture while this endpoint shows requests in flight")
+    ex.add_argument("--system-url", help="the worker's Dynamo system port (http://HOST:PORT): tier engine calls its "
+                    "engine routes there")
     _add_settings_flags(ex)
     _add_user_commands(sub)
     return parser
@@ -182,7 +184,8 @@ def _exec(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: A
 
     if not re.match(UID_PATTERN, args.pod_uid):
         parser.error(f"--pod-uid {args.pod_uid!r} is not a pod UID")
-    subject = subject_for(args.pod_uid, namespace=args.namespace, pod=args.pod, entrypoint=args.entrypoint_pid)
+    subject = subject_for(args.pod_uid, namespace=args.namespace, pod=args.pod, entrypoint=args.entrypoint_pid,
+                          system_url=args.system_url)
     outcome = asyncio.run(execute(settings, subject, action=args.action, tier=Tier(args.tier), quiesced=args.quiesced,
                                   metrics_url=args.metrics_url, out=sys.stdout))
     return 0 if outcome.ok else 1

@@ -30,6 +30,8 @@ CUDA = "dynsnap/agent/cuda.py"
 IMAGES = "dynsnap/agent/images.py"
 CRIU = "dynsnap/agent/criu.py"
 CRIU_LOG = "dynsnap/agent/criu_log.py"
+ENGINE_ROUTES = "dynsnap/agent/engine_routes.py"
+PLAN = "dynsnap/agent/plan.py"
 ATTEMPTS = "dynsnap/agent/attempts.py"
 SERVING_GATE = "dynsnap/agent/serving.py"
 STATUS = "dynsnap/agent/status.py"
@@ -61,6 +63,10 @@ PERMANENT = FAULTS + "test_a_permanent_refusal_is_not_retried_until_the_spec_cha
 CRIU_ERRORS = "tests/native/test_criu_errors.py"
 UPGRADE = "tests/integration/test_agent_upgrade.py"
 STATUS_UNIT = "tests/unit/test_agent_status.py"
+ENGINE = "tests/integration/test_engine_tier.py::"
+ENGINE_NO_ROUTES = ENGINE + "test_a_worker_without_engine_routes_is_refused_and_auto_sleeps_it_with_suspend"
+ENGINE_FAULT = ENGINE + "test_a_route_that_fails_or_hangs_is_named_bounded_and_the_worker_serves"
+PLAN_UNIT = "tests/unit/test_agent_plan.py"
 # issue 18: the trust boundary with a container, and the helper registry
 U_CONTAINER = "tests/unit/test_agent_container.py::"
 U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
@@ -176,6 +182,31 @@ MUTATIONS = (
         "    status.conditions = set_condition(status.conditions, CT.SUSPENDED, None, v.reason,\n",
         "    status.conditions = set_condition(status.conditions, CT.PROGRESSING, None, v.reason,\n",
         tests=[STATUS_UNIT]),
+    # -- issue 21: tier engine -------------------------------------------------------------------------
+    mutation(
+        "engine-routes-not-probed", "a worker whose engine has no sleep routes is quiesced for tier engine anyway",
+        CAPTURE_STEPS,
+        "        c.info[\"engine\"] = {\"routes\": await G.probe(ex, c)}\n",
+        "",
+        tests=[ENGINE_NO_ROUTES]),
+    mutation(
+        "engine-error-answer-ok", "an engine's error answer to its route is taken for done", ENGINE_ROUTES,
+        "        return self.status == 200 and self.body is not None and self.body.get(\"status\") == \"ok\"\n",
+        "        return self.status == 200\n",
+        tests=[ENGINE_FAULT + "[fail-EngineRouteFailed-answered HTTP 200: ]"]),
+    mutation(
+        "engine-route-unbounded", "an engine route that never answers is waited for without a bound", ENGINE_ROUTES,
+        "            async with asyncio.timeout(bound):\n",
+        "            async with asyncio.timeout(None):\n",
+        more=[Edit(ENGINE_ROUTES, "            async with httpx.AsyncClient(timeout=bound, trust_env=False) as http:\n",
+                   "            async with httpx.AsyncClient(timeout=None, trust_env=False) as http:\n")],
+        tests=[ENGINE_FAULT + "[hang-EngineRouteTimeout-no answer within 6 s]"]),
+    mutation(
+        "engine-rollback-skips-wake", "a capture of tier engine called off mid-way settles active without the "
+        "engine's wake route", PLAN,
+        "        return Step.ENGINE_SLEEP if want == DesiredState.SUSPENDED else Step.ENGINE_WAKE\n",
+        "        return Step.ENGINE_SLEEP if want == DesiredState.SUSPENDED else Step.SETTLE_ACTIVE\n",
+        tests=[PLAN_UNIT]),
     mutation(
         "pages-read-last-line-only", "the restore's pagesRead takes the last restorer's thread count, not the "
         "most any used", CRIU_LOG,

@@ -5,7 +5,8 @@ Python for every action and pays its start-up (0.4-0.6 s on the H200) inside the
 It runs the same code as ``dynsnap agent exec`` (dynsnap.agent.exec.execute, the node agent's
 executor step by step). Settings: one JSON object of AgentSettings fields as its argument. Then one
 JSON object per line on stdin, ``{"action": "capture"|"wake", "uid": UID, "entrypoint": PID,
-"tier": "suspend"}``; for each it prints the steps' JSON lines, as ``exec`` does, and then
+"tier": "suspend"|"engine", "system_url": URL}`` (the URL: where tier engine calls the engine's
+routes); for each it prints the steps' JSON lines, as ``exec`` does, and then
 ``{"resident_done": true|false}``. It ends at the end of its input.
 
 Run: PYTHONPATH=<repository root> python3 bench/e2e/resident_agent.py '{"images_root": ...}'
@@ -28,7 +29,8 @@ def main() -> int:
         for line in sys.stdin:  # bounded by the driver's input: it closes stdin when done
             req = json.loads(line)
             outcome = loop.run_until_complete(execute(
-                settings, subject_for(req["uid"], entrypoint=int(req["entrypoint"])), action=req["action"],
+                settings, subject_for(req["uid"], entrypoint=int(req["entrypoint"]), system_url=req.get("system_url")),
+                action=req["action"],
                 tier=Tier(req.get("tier", "suspend")), quiesced=True, out=sys.stdout))
             print(json.dumps({"resident_done": outcome.ok}), flush=True)
     finally:

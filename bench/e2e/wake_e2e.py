@@ -211,6 +211,7 @@ class Container:
         self.log = work / f"{name}.container.log"
         self.saved_log = work / f"{name}.worker.log"
         self.probe_port, system_port = free_port(), free_port()
+        self.system_url = f"http://127.0.0.1:{system_port}"  # tier engine's routes (the worker's system port)
         env = {**env, "DYN_SYSTEM_PORT": str(system_port)}  # the worker's /live and /health, behind the entrypoint
         pre = f"LD_PRELOAD={shlex.quote(preload)} " if preload else ""
         worker = shlex.join([*engine_argv, "--id-file", str(self.id_file)])
@@ -305,6 +306,7 @@ class Agent:
     env: dict[str, str]
     cuda_env: dict[str, str]
     criu: str | None
+    tier: str = "suspend"
     # bench/e2e/resident_agent.py, started once (a node agent's process): None runs `agent exec` per action
     resident: subprocess.Popen[str] | None = None
 
@@ -335,7 +337,7 @@ class Agent:
         assert self.resident is not None and self.resident.stdin and self.resident.stdout
         t = time.monotonic()
         self.resident.stdin.write(json.dumps({"action": action, "uid": c.uid, "entrypoint": c.entrypoint,
-                                              "tier": "suspend"}) + "\n")
+                                              "tier": self.tier, "system_url": c.system_url}) + "\n")
         self.resident.stdin.flush()
         lines: list[dict[str, Any]] = []
         done = None
@@ -364,7 +366,8 @@ class Agent:
                 argv += [a for k, v in value.items() for a in (flag, f"{k}={v}")]
             else:
                 argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
-        argv += ["exec", action, "--pod-uid", c.uid, "--entrypoint-pid", str(c.entrypoint), "--tier", "suspend"]
+        argv += ["exec", action, "--pod-uid", c.uid, "--entrypoint-pid", str(c.entrypoint), "--tier", self.tier,
+                 "--system-url", c.system_url]
         if action == "capture":
             argv.append("--quiesced")
         t = time.monotonic()
@@ -393,6 +396,27 @@ def anon_huge_kib(entrypoint: int | None) -> int | None:
     return total
 
 
+def host_memory(entrypoint: int | None) -> dict[str, int | None]:
+    """Host memory the worker holds (VmRSS of every process under the entrypoint: the driver's host copy of
+    its GPU memory while suspended, the engine's pinned copy of its weights while the engine sleeps) and
+    the machine's MemAvailable, bytes."""
+    rss: int | None = None
+    if entrypoint is not None:
+        rss = 0
+        try:
+            for pid in Path(f"/proc/{entrypoint}/task/{entrypoint}/children").read_text().split()[:64]:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        rss += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            rss = None
+    avail = None
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        avail = next(int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text().splitlines()
+                     if x.startswith("MemAvailable:"))
+    return {"worker_rss_bytes": rss, "mem_available_bytes": avail}
+
+
 def lease_age(work: Path, instance_id: int) -> float | None:
     """Seconds since the worker's runtime last renewed its registration: the file backend keeps one
     file per instance (``kv/v1/instances/<namespace>%2F<component>%2F<endpoint>%2F<id hex>``) and
@@ -415,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="the engine's torch device: cuda (default) or cpu")
     p.add_argument("--gib", type=float, default=1.0, help="the engine's weights, GiB (default 1)")
+    p.add_argument("--kv-gib", type=float, default=0.0,
+                   help="the engine's KV pool, GiB, allocated and never written (default 0: none)")
+    p.add_argument("--stub-engine", action="store_true",
+                   help="the stand-in engine (dynsnap.testenv.stub_engine, no torch) instead of engine.py: a local "
+                        "dry run of the protocol on the stub driver, no figure")
+    p.add_argument("--tier", choices=["suspend", "engine"], default="suspend",
+                   help="suspend: the driver's checkpoint; engine: the engine's own sleep routes (default suspend)")
     p.add_argument("--cycles", type=int, default=3, help="capture + wake cycles (default 3)")
     p.add_argument("--asleep-s", default="0",
                    help="seconds each cycle stays asleep before the wake: one value for every cycle, or a comma "
@@ -486,17 +517,23 @@ def main(argv: list[str] | None = None) -> int:
     if stub is not None:
         worker_env.update(cuda_env)
     agent_env = {**os.environ, "PYTHONPATH": ":".join(x for x in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if x)}
-    agent = Agent(work, sys.executable, agent_env, cuda_env, args.criu)
+    agent = Agent(work, sys.executable, agent_env, cuda_env, args.criu, tier=args.tier)
     agent_mode = "resident" if args.resident_agent else "exec"
     if args.resident_agent:
         agent.start_resident()
 
     weights = work / f"weights-{args.gib:g}gib-{args.device}.pt"
     engine = [args.dynamo_python, str(ENGINE), "--gib", f"{args.gib:g}", "--device", args.device,
-              "--model-path", args.model_dir, "--max-tokens", str(args.max_tokens), "--weights", str(weights)]
+              "--model-path", args.model_dir, "--max-tokens", str(args.max_tokens), "--weights", str(weights),
+              *(["--kv-gib", f"{args.kv_gib:g}"] if args.kv_gib else [])]
     if args.threads:
         engine += ["--threads", str(args.threads)]
-    if not weights.exists():
+    if args.stub_engine:  # the stand-in engine (dynsnap/testenv/stub_engine.py): the protocol, without torch
+        engine = [args.dynamo_python, "-m", "dynsnap.testenv.stub_engine", "--discovery-backend", "file",
+                  "--model-path", args.model_dir, "--max-tokens", str(args.max_tokens), "--gib", f"{args.gib:g}",
+                  "--kv-gib", f"{args.kv_gib:g}"]
+        worker_env["PYTHONPATH"] = ":".join(x for x in (args.dynamo_pythonpath, str(ROOT)) if x)
+    elif not weights.exists():
         log(f"writing the weights ({args.gib:g} GiB) to {weights}")
         subprocess.run([*engine[:2], "--gib", f"{args.gib:g}", "--device", args.device, "--write-weights",
                         str(weights)], env=worker_env, check=True, timeout=1800)
@@ -524,11 +561,16 @@ def main(argv: list[str] | None = None) -> int:
             for cycle in range(1, args.cycles + 1):
                 awake = chat(fe.base, wid, max_tokens=args.max_tokens, timeout=60)
                 before = gpu.snapshot()
+                mem_awake = host_memory(c.entrypoint)
                 crc, clines, capture_s = agent.exec("capture", c)
                 state = c.control().get("state")
                 asleep_gpu = gpu.snapshot()
                 huge_asleep = anon_huge_kib(c.entrypoint)
-                asleep = crc == 0 and state == "suspended" and gpu.asleep(before, asleep_gpu, args.gib)
+                mem_asleep = host_memory(c.entrypoint)
+                # tier engine: the engine freed its memory, no process is checkpointed (the stub says running)
+                # (the stub checkpoints nothing for tier engine: its memory check is the GPU's, on the H200)
+                asleep = crc == 0 and state == "suspended" and (
+                    gpu.asleep(before, asleep_gpu, args.gib) if args.tier == "suspend" or gpu.stub is None else True)
                 if not asleep:
                     ok = False
                     emit(out, {"kind": "wake", "cycle": cycle, "error": "not asleep after capture", "capture_rc": crc,
@@ -552,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
                     texts.add(a.text)
                 final = wlines[-1] if wlines else {}
                 emit(out, {
-                    "kind": "wake", "cycle": cycle, "tier": "suspend", "gib": args.gib, "device": args.device,
+                    "kind": "wake", "cycle": cycle, "tier": args.tier, "gib": args.gib, "kv_gib": args.kv_gib,
+                    "device": args.device, "host_memory_awake": mem_awake, "host_memory_asleep": mem_asleep,
                     "agent": agent_mode,
                     "driver": "real" if args.real_driver else "stub", "asleep_s": slept,
                     "capture_s": round(capture_s, 4), "capture_agent_s": clines[-1].get("seconds") if clines else None,
@@ -607,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                            "last_failure": vars(pinned.last) if pinned.last and not a else None})
             cold = colds[0] if colds else None
             med = statistics.median(wakes) if wakes else None
-            emit(out, {"kind": "summary", "gib": args.gib, "device": args.device,
+            emit(out, {"kind": "summary", "gib": args.gib, "kv_gib": args.kv_gib, "tier": args.tier,
+                       "device": args.device,
                        "driver": "real" if args.real_driver else "stub", "cycles": args.cycles,
                        "agent": agent_mode,
                        "answered": len(wakes), "wake_first_answer_s": [round(w, 4) for w in wakes],

@@ -14,6 +14,7 @@ import json
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from dynsnap.agent import engine_steps as G
 from dynsnap.agent import worker as W
 from dynsnap.agent.criu import CriuError, NamespaceTarget, criu_dump, dump_completed, image_pids
 from dynsnap.agent.cuda import CudaError
@@ -41,6 +42,8 @@ async def quiesce(ex: Executor, c: StepCall) -> None:
     unsafe = W.unsafe_multi_gpu(w, ex.proc)
     if unsafe:
         raise StepFailure(Reason.UNSAFE_MULTI_GPU, unsafe, changed=False)
+    if c.tier == Tier.ENGINE:
+        c.info["engine"] = {"routes": await G.probe(ex, c)}
     if c.tier == Tier.SNAPSHOT:
         snapshot_preflight(ex, w)
         estimate = sum(procfs.rss_bytes(p.pid, ex.proc) for p in w.procs)

@@ -89,7 +89,8 @@ async def execute(settings: AgentSettings, subject: Subject, *, action: str, tie
 
 
 def _brief(info: dict[str, Any]) -> dict[str, Any]:
-    keep = ("gpus", "helper", "criuSeconds", "pagesRead", "imageBytes", "image", "staging", "source", "removed")
+    keep = ("gpus", "helper", "criuSeconds", "pagesRead", "imageBytes", "image", "staging", "source", "removed",
+            "engine")
     out = {k: info[k] for k in keep if k in info}
     if "pids" in info:
         out["pids"] = info["pids"]
@@ -102,7 +103,7 @@ def _emit(out: TextIO | None, obj: dict[str, Any]) -> None:
         out.flush()
 
 
-def subject_for(uid: str, *, namespace: str = "default", pod: str = "worker", entrypoint: int | None = None
-                ) -> Subject:
+def subject_for(uid: str, *, namespace: str = "default", pod: str = "worker", entrypoint: int | None = None,
+                system_url: str | None = None) -> Subject:
     return Subject(namespace=namespace, pod=pod, uid=PodUID(uid),
-                   entrypoint=HostPid(entrypoint) if entrypoint else None)
+                   entrypoint=HostPid(entrypoint) if entrypoint else None, system_url=system_url)

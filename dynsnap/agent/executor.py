@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any, Final
 
 from dynsnap.agent import capture_steps as C
+from dynsnap.agent import engine_steps as G
 from dynsnap.agent import wake_steps as K
 from dynsnap.agent import worker as W
 from dynsnap.agent.container import ContainerRefused
 from dynsnap.agent.criu import CriuOptions, dump_completed
 from dynsnap.agent.cuda import CudaHelper
+from dynsnap.agent.engine_routes import EngineRouteError, EngineRoutes, EngineRoutesMissing, EngineRouteTimeout
 from dynsnap.agent.entrypoint_control import EntrypointError
 from dynsnap.agent.helpers import REGISTRY_DIR, HelperRegistry
 from dynsnap.agent.images import Capture, ImageFormatMismatch, ImageStore
@@ -152,11 +154,29 @@ class Executor:
     # -- doing ----------------------------------------------------------------------------------
 
     async def run_step(self, subject: Subject, obs: Observation, step: Step, *, tier: Tier,
-                       gate: ServingGate = no_gate, capture_id: str | None = None) -> StepResult:
+                       gate: ServingGate = no_gate, capture_id: str | None = None,
+                       engine_sleep_level: int = 1) -> StepResult:
         t0 = time.monotonic()
-        call = StepCall(subject=subject, obs=obs, tier=tier, gate=gate, capture_id=capture_id)
+        call = StepCall(subject=subject, obs=obs, tier=tier, gate=gate, capture_id=capture_id,
+                        engine_sleep_level=engine_sleep_level)
         await HANDLERS[step](self, call)
         return StepResult(step=step, seconds=time.monotonic() - t0, info=call.info)
+
+    async def auto_tier(self, subject: Subject) -> Tier:
+        """Tier ``auto`` for an active worker: ``engine`` where its engine has sleep routes (found by a
+        wake of the awake engine, which changes nothing), else ``suspend``, which any CUDA worker can do
+        (also where the probe could not tell: logged, never a guess at the routes)."""
+        if not subject.system_url:
+            return Tier.SUSPEND
+        try:
+            await EngineRoutes(subject.system_url, timeout=min(self.settings.engine_route_timeout, 10.0)).wake()
+        except EngineRoutesMissing:
+            return Tier.SUSPEND
+        except (EngineRouteError, EngineRouteTimeout) as e:
+            log.warning("%s/%s: tier auto: the engine routes could not be probed (%s); suspend", subject.namespace,
+                        subject.pod, e)
+            return Tier.SUSPEND
+        return Tier.ENGINE
 
     async def request(self, obs: Observation, state: EntrypointState) -> dict[str, Any]:
         """Ask the worker's entrypoint for ``state``; its control file once it acknowledged it."""
@@ -198,4 +218,6 @@ HANDLERS: Final[Mapping[Step, StepHandler]] = {
     Step.UNLOCK: K.unlock,
     Step.SETTLE_ACTIVE: K.settle_active,
     Step.GIVE_UP: K.give_up,
+    Step.ENGINE_SLEEP: G.engine_sleep,
+    Step.ENGINE_WAKE: G.engine_wake,
 }

@@ -166,8 +166,10 @@ class NodeAgent:
             await self._write(ws, S.refused(ws, verdict))
             return None
         assert pod is not None
+        ip = (pod.get("status") or {}).get("podIP")
         subject = Subject(namespace=ws.metadata.namespace or "", pod=ws.spec.pod_name, uid=PodUID(ws.spec.pod_uid),
-                          container_id=container_id(pod, ws.spec.container))
+                          container_id=container_id(pod, ws.spec.container),
+                          system_url=f"http://{ip}:{self.settings.metrics_port}" if ip else None)
         try:
             obs = await self.executor.observe(subject)
         except W.WorkerNotFound as e:
@@ -180,7 +182,7 @@ class NodeAgent:
             await self._write(ws, S.refused(ws, Verdict(False, e.reason, str(e))))
             return None
         want, backoff_left = A.effective(ws, self.settings, utcnow())
-        tier = ws.spec.tier  # a wake follows the tier of the capture it wakes from (the spec's, as recorded)
+        tier = await self._tier(ws, obs, subject)
         step = self.executor.next_step(obs, want=want, tier=tier)
         status = S.accepted(ws, ws.status.model_copy(deep=True))
         waited = self._waiting.pop(key, None) if step != Step.WAIT_HELPER else None
@@ -192,6 +194,20 @@ class NodeAgent:
         if wait is not None:
             return wait
         return await self._do(ws, status, subject, obs, step, tier=tier, want=want, pod=pod)
+
+    async def _tier(self, ws: WorkerSnapshot, obs: Observation, subject: Subject) -> Tier:
+        """The tier the next step works at. A wake follows the tier of the capture it wakes from (the
+        controller does not change the spec's while a worker sleeps); ``auto`` is resolved here: the tier
+        the capture under way or asleep picked, else (an active worker asked to sleep) ``engine`` where
+        its engine has the sleep routes and ``suspend`` where not."""
+        if ws.spec.tier != Tier.AUTO:
+            return ws.spec.tier
+        cap = ws.status.last_capture
+        if obs.worker.state != P.EntrypointState.ACTIVE and cap is not None and cap.tier in P.CAPTURE_TIERS:
+            return cap.tier
+        if ws.spec.desired_state != DesiredState.SUSPENDED:
+            return Tier.SUSPEND  # nothing to pick while no capture is asked for (an active worker plans alike)
+        return await self.executor.auto_tier(subject)
 
     async def _settle(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, pod: Obj, obs: Observation,
                       backoff_left: float | None) -> float | None:
@@ -221,7 +237,8 @@ class NodeAgent:
         gate = serving_gate(self.kube, lambda: self._pod(meta["namespace"], meta["name"]) or pod,
                             metrics_port=self.settings.metrics_port)
         try:
-            result = await self.executor.run_step(subject, obs, step, tier=tier, gate=gate, capture_id=capture_id)
+            result = await self.executor.run_step(subject, obs, step, tier=tier, gate=gate, capture_id=capture_id,
+                                                  engine_sleep_level=ws.spec.engine_sleep_level)
         except StepFailure as f:
             return await self._failed(ws, status, step, f)
         except Exception as e:  # a bug or an unexpected OS error: reported, never swallowed
@@ -233,7 +250,7 @@ class NodeAgent:
             S.record(status, step, result)
         if step == Step.WAIT_HELPER:
             self._waiting.setdefault(ws.key, time.monotonic() - result.seconds)
-        if step in S.FINAL_STEPS or (step == Step.SETTLE_ACTIVE and ws.spec.desired_state == DesiredState.ACTIVE):
+        if step in S.FINAL_STEPS or (step in S.ACTIVE_STEPS and ws.spec.desired_state == DesiredState.ACTIVE):
             # A settle-active that ends the rollback of a failed capture (Suspended still wanted) is no
             # success: the failure stays on record, so the backoff holds and grows. Cleared there, the
             # capture was retried at once, in a loop without backoff while the fault lasted.

@@ -41,11 +41,14 @@ class Step(StrEnum):
     SETTLE_ACTIVE = "settle-active"  # entrypoint -> active: serving again
     GIVE_UP = "give-up"  # the worker cannot come back in place: entrypoint -> active makes it exit
     # (75) and kubelet starts the container cold
+    # tier engine: the engine's own routes (engine_routes.py), each followed by its entrypoint settle
+    ENGINE_SLEEP = "engine-sleep"  # the engine's sleep route, then entrypoint -> suspended
+    ENGINE_WAKE = "engine-wake"  # the engine's wake route, then entrypoint -> active
 
 
 CAPTURE_STEPS = frozenset({Step.QUIESCE, Step.SAVE, Step.SETTLE_SUSPENDED, Step.DUMP, Step.SEAL,
-                           Step.SETTLE_SNAPSHOTTED})
-WAKE_STEPS = frozenset({Step.WAKE, Step.RESTORE, Step.RESUME, Step.UNLOCK, Step.SETTLE_ACTIVE})
+                           Step.SETTLE_SNAPSHOTTED, Step.ENGINE_SLEEP})
+WAKE_STEPS = frozenset({Step.WAKE, Step.RESTORE, Step.RESUME, Step.UNLOCK, Step.SETTLE_ACTIVE, Step.ENGINE_WAKE})
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,12 @@ def _all(states: Sequence[str], value: str) -> bool:
 
 
 def plan(f: Facts, *, want: DesiredState, tier: Tier) -> Step:
-    """The next step for a worker whose node shows ``f``, towards ``want`` (at ``tier``)."""
+    """The next step for a worker whose node shows ``f``, towards ``want`` (at ``tier``: the tier of
+    the capture under way or asleep, never ``auto``)."""
     if f.helper_running:
         return Step.WAIT_HELPER
+    if tier == Tier.ENGINE and f.ep_state != E.SNAPSHOTTED:
+        return _engine(f, want)
     if f.ep_state == E.RESTORING:
         return _finish_wake(f)  # whatever is wanted now, a wake under way ends first
     if want == DesiredState.SUSPENDED:
@@ -148,6 +154,27 @@ def _towards_active(f: Facts) -> Step:
             return Step.SEAL
         return Step.WAKE
     return Step.NONE
+
+
+def _engine(f: Facts, want: DesiredState) -> Step:
+    """Tier engine: the engine sleeps and wakes itself; the worker's processes stay as they are. Both
+    routes are idempotent, so after an agent died mid-way the step is simply asked again: a sleep of a
+    sleeping engine is "already sleeping", a wake of an awake one "already awake". A worker whose tree
+    is gone cannot be woken in place."""
+    st = f.ep_state
+    if st != E.ACTIVE and not f.worker_alive:
+        return Step.GIVE_UP
+    if st == E.RESTORING:
+        return Step.ENGINE_WAKE
+    if st == E.ACTIVE:
+        if not _all(f.gpu_states, "running"):
+            return Step.GPU_ROLLBACK  # left checkpointed or locked by a driver tier before: never slept on
+        if f.leftovers:
+            return Step.CLEANUP
+        return Step.QUIESCE if want == DesiredState.SUSPENDED else Step.NONE
+    if st == E.SUSPENDING:  # the sleep under way (or its rollback: the wake route undoes a half sleep)
+        return Step.ENGINE_SLEEP if want == DesiredState.SUSPENDED else Step.ENGINE_WAKE
+    return Step.NONE if want == DesiredState.SUSPENDED else Step.WAKE  # suspended
 
 
 def observed(f: Facts) -> ObservedState:

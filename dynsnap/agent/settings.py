@@ -81,6 +81,10 @@ class AgentSettings(BaseModel):
         "the pod IP is unchanged, so they come back as they were."))] = True
     network_lock: Annotated[str, Field(description=(
         "CRIU's network lock while dumping: nftables needs no iptables binary on the node."))] = "nftables"
+    engine_route_timeout: Annotated[float, Field(gt=0, description=(
+        "Tier engine: bound on one call of an engine's sleep or wake route, seconds. vLLM's sleep drains what is "
+        "in flight (its own bound is 30 s) and copies the weights to host memory at pinned-memory speed (tens of "
+        "GB/s); two minutes before the call is a named failure (EngineRouteTimeout)."))] = 120.0
     metrics_port: Annotated[int, Field(gt=0, lt=65536, description=(
         "The worker's Dynamo system port, where the agent scrapes in-flight and request counters."))] = 9090
     scrape_interval: Annotated[float, Field(gt=0, description=(

@@ -39,7 +39,9 @@ from dynsnap.models.workersnapshot import (
 
 Obj = dict[str, Any]
 
-FINAL_STEPS = {Step.SETTLE_SUSPENDED: ObservedState.SUSPENDED, Step.SETTLE_SNAPSHOTTED: ObservedState.SUSPENDED}
+# The steps that end a capture (the worker asleep) and those that end a wake (serving again).
+FINAL_STEPS = frozenset({Step.SETTLE_SUSPENDED, Step.SETTLE_SNAPSHOTTED, Step.ENGINE_SLEEP})
+ACTIVE_STEPS = frozenset({Step.SETTLE_ACTIVE, Step.ENGINE_WAKE})
 
 
 def is_open(rec: OperationRecord | None) -> bool:
@@ -180,7 +182,7 @@ def record(status: WorkerSnapshotStatus, step: Step, result: StepResult) -> None
     if "image" in info:
         rec.image = ImageRef(**info["image"])
         status.image = rec.image
-    if step in FINAL_STEPS or step == Step.SETTLE_ACTIVE:
+    if step in FINAL_STEPS or step in ACTIVE_STEPS:
         rec.finished = utcnow()
         rec.ok = True
     if step == Step.CLEANUP:

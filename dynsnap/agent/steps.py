@@ -51,6 +51,7 @@ class Subject:
     uid: PodUID
     container_id: str | None = None
     entrypoint: HostPid | None = None  # found by pod UID in /proc when None
+    system_url: str | None = None  # the worker's Dynamo system port (http://<pod ip>:9090): its engine routes
 
 
 @dataclass
@@ -76,6 +77,7 @@ class StepCall:
     tier: Tier
     gate: ServingGate = no_gate
     capture_id: str | None = None
+    engine_sleep_level: int = 1  # tier engine: the level the engine sleeps at (the spec's)
     info: dict[str, Any] = field(default_factory=dict)
 
 

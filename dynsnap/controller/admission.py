@@ -32,7 +32,8 @@ async def create(ctx: Ctx, s: Scope, policy: Policy) -> float | None:
                          "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
                                               "uid": meta["uid"], "blockOwnerDeletion": False}]},
             "spec": {"podName": meta["name"], "podUID": meta["uid"], "container": P.DEFAULT_CONTAINER,
-                     "tier": policy.tier.value, "desiredState": DesiredState.ACTIVE.value}}
+                     "tier": policy.tier.value, "desiredState": DesiredState.ACTIVE.value,
+                     "engineSleepLevel": policy.engine_sleep_level}}
     return None if await ctx.create_ws(body) else POLL
 
 

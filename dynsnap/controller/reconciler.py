@@ -112,9 +112,11 @@ class Reconciler:
         if phase == Phase.BROKEN:
             return None
         ws = s.snap
-        if ws.spec.tier != policy.tier and ws.spec.desired_state == P.DesiredState.ACTIVE and phase in (
-                Phase.SERVING, Phase.STARTING, Phase.NEW):
-            await self.ctx.apply_spec(ws, tier=policy.tier)
+        # The tier (and the engine's sleep level) of the policy reach the spec only while the worker is
+        # awake and asked to stay so: a wake follows the tier of the capture it wakes from.
+        if (ws.spec.tier, ws.spec.engine_sleep_level) != (policy.tier, policy.engine_sleep_level) and \
+                ws.spec.desired_state == P.DesiredState.ACTIVE and phase in (Phase.SERVING, Phase.STARTING, Phase.NEW):
+            await self.ctx.apply_spec(ws, tier=policy.tier, engine_sleep_level=policy.engine_sleep_level)
             return 0.0
         if decision.want == Want.AWAKE:
             return await W.awake(self.ctx, s, policy, decision)

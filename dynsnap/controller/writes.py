@@ -74,12 +74,14 @@ class Ctx:
                               subresource="status", field_manager=P.FIELD_MANAGER)
 
     async def apply_spec(self, ws: WorkerSnapshot, *, desired: DesiredState | None = None,
-                         tier: P.Tier | None = None, traceparent: str | None = None) -> Obj | None:
+                         tier: P.Tier | None = None, engine_sleep_level: int | None = None,
+                         traceparent: str | None = None) -> Obj | None:
         """A JSON merge patch of only these spec fields (the controller may have created it with POST,
         and a person may have edited the spec: an apply would fight them for fields); the object
         written (None: it is gone)."""
         patch: Obj = {"spec": {"tier": (tier or ws.spec.tier).value,
-                               "desiredState": (desired or ws.spec.desired_state).value}}
+                               "desiredState": (desired or ws.spec.desired_state).value,
+                               "engineSleepLevel": engine_sleep_level or ws.spec.engine_sleep_level}}
         if traceparent:
             patch["metadata"] = {"annotations": {P.ANN_TRACEPARENT: traceparent}}
         try:

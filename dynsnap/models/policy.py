@@ -37,6 +37,9 @@ class Policy:
     verify_requests: int = 3
     wake_at_inflight: float = 4.0  # demand per awake worker above which one more is woken
     on_failed_wake: Literal["restart", "none"] = "restart"
+    engine_sleep_level: int = 1  # tier engine: vLLM's level 1 (weights to host, KV cache dropped)
+    # min-active 0: the last worker sleeps routable (tier suspend: its listener stays), woken by a request
+    wake_on_request: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,7 @@ def parse_policy(dgd: Mapping[str, str], component: Mapping[str, str]) -> Parsed
 
     def min_active(v: str) -> int:
         if v.strip() == "0":
-            raise ValueError("must be at least 1: a model with no live worker disappears from the frontend "
-                             "and answers 404")
+            return 0  # allowed only with wake-on-request (checked with the other keys below)
         return _int(v, 1, 10_000)
 
     def wake_at(v: str) -> float:
@@ -148,12 +150,38 @@ def parse_policy(dgd: Mapping[str, str], component: Mapping[str, str]) -> Parsed
     take(P.ANN_VERIFY_REQUESTS, "verify_requests", lambda v: _int(v, 1, MAX_VERIFY_REQUESTS))
     take(P.ANN_WAKE_AT_INFLIGHT, "wake_at_inflight", wake_at)
     take(P.ANN_ON_FAILED_WAKE, "on_failed_wake", on_failed)
+    take(P.ANN_ENGINE_SLEEP_LEVEL, "engine_sleep_level", lambda v: _int(v, 1, 3))
+    take(P.ANN_WAKE_ON_REQUEST, "wake_on_request", enabled)
+    problems += _combination_problems(ann, fields)
     known = ", ".join(k.removeprefix(P.ANNOTATION_PREFIX) for k in P.POLICY_ANNOTATIONS)
     for key in sorted(set(ann) - set(P.POLICY_ANNOTATIONS)):
         problems.append(Problem(key, ann[key], f"unknown dynsnap.io/ annotation (known: {known})"))
     if problems:
         return ParsedPolicy(None, tuple(problems))
     return ParsedPolicy(Policy(**fields))  # type: ignore[arg-type]
+
+
+MIN_ACTIVE_0 = ("must be at least 1: a model with no live worker disappears from the frontend and answers 404 "
+                f"(0 is allowed with {P.ANN_WAKE_ON_REQUEST}: \"true\", tier suspend)")
+ROUTABLE_TIER = ("wake-on-request needs tier suspend: a worker that sleeps routable must keep its listener "
+                 "and its registration, and {tier} does not ({why})")
+_NOT_ROUTABLE = {Tier.SNAPSHOT: "a dumped worker holds no listener",
+                 Tier.ENGINE: "the engine's sleep unregisters its endpoint, so the model leaves the frontend",
+                 Tier.AUTO: "auto may pick engine, whose sleep unregisters the endpoint"}
+
+
+def _combination_problems(ann: Mapping[str, str], fields: Mapping[str, object]) -> list[Problem]:
+    """What the keys cannot mean together: min-active 0 without wake-on-request (the model would go from
+    the frontend), wake-on-request with a tier whose sleeping worker cannot be reached."""
+    out: list[Problem] = []
+    routable = fields.get("wake_on_request") is True
+    if fields.get("min_active") == 0 and not routable:
+        out.append(Problem(P.ANN_MIN_ACTIVE, ann[P.ANN_MIN_ACTIVE], MIN_ACTIVE_0))
+    tier = fields.get("tier", Tier.SUSPEND)
+    if routable and isinstance(tier, Tier) and tier in _NOT_ROUTABLE:
+        out.append(Problem(P.ANN_WAKE_ON_REQUEST, ann[P.ANN_WAKE_ON_REQUEST],
+                           ROUTABLE_TIER.format(tier=f"tier {tier.value}", why=_NOT_ROUTABLE[tier])))
+    return out
 
 
 def parse_override(value: str | None) -> tuple[str | None, str | None]:

@@ -48,8 +48,11 @@ ANN_MIN_ACTIVE: Final = "dynsnap.io/min-active"  # workers of the component that
 ANN_VERIFY_REQUESTS: Final = "dynsnap.io/verify-requests"  # pinned requests that prove a wake
 ANN_WAKE_AT_INFLIGHT: Final = "dynsnap.io/wake-at-inflight"  # demand per awake worker that wakes another
 ANN_ON_FAILED_WAKE: Final = "dynsnap.io/on-failed-wake"  # restart (delete the pod) | none
+ANN_ENGINE_SLEEP_LEVEL: Final = "dynsnap.io/engine-sleep-level"  # tier engine: the engine's sleep level (1-3)
+# "true": the component's last worker may sleep too (min-active 0), routable: its first request wakes it
+ANN_WAKE_ON_REQUEST: Final = "dynsnap.io/wake-on-request"
 POLICY_ANNOTATIONS: Final = (ANN_ENABLED, ANN_IDLE_AFTER, ANN_TIER, ANN_MIN_ACTIVE, ANN_VERIFY_REQUESTS,
-                             ANN_WAKE_AT_INFLIGHT, ANN_ON_FAILED_WAKE)
+                             ANN_WAKE_AT_INFLIGHT, ANN_ON_FAILED_WAKE, ANN_ENGINE_SLEEP_LEVEL, ANN_WAKE_ON_REQUEST)
 # The manual override, on a worker pod: suspended | active (`dynsnap suspend|wake POD` sets it).
 ANN_DESIRED_STATE: Final = "dynsnap.io/desired-state"
 # On a WorkerSnapshot, set by the controller with each desiredState change: the W3C traceparent of
@@ -113,6 +116,15 @@ class Tier(StrEnum):
 
     SUSPEND = "suspend"  # CUDA checkpoint of every GPU process; processes stay in host RAM
     SNAPSHOT = "snapshot"  # suspend, then CRIU dumps the worker tree to node disk; the pod stays
+    # The engine's own sleep routes on the worker's system port (vLLM's control/sleep and wake_up,
+    # TRT-LLM's release/resume_memory_occupation): weights to host memory, the KV pool dropped, by
+    # the engine, which knows what it allocated but never wrote.
+    ENGINE = "engine"
+    AUTO = "auto"  # engine where the worker's engine has the routes, suspend where not (the agent picks)
+
+
+# The tiers a capture really runs: auto is resolved to one of them by the agent, per capture.
+CAPTURE_TIERS: Final = (Tier.SUSPEND, Tier.SNAPSHOT, Tier.ENGINE)
 
 
 class DesiredState(StrEnum):
@@ -177,6 +189,7 @@ class Reason(StrEnum):
     SECCOMP_OFF = "SeccompOff"
     IO_URING_IN_USE = "IoUringInUse"
     DISK_BUDGET_EXCEEDED = "DiskBudgetExceeded"
+    ENGINE_ROUTES_MISSING = "EngineRoutesMissing"
     PIDS_IN_USE = "PidsInUse"
     NOT_ENOUGH_GPU_MEMORY = "NotEnoughGpuMemory"
     IMAGE_FORMAT_MISMATCH = "ImageFormatMismatch"
@@ -187,6 +200,8 @@ class Reason(StrEnum):
     RESTORE_FAILED = "RestoreFailed"
     HELPER_TIMEOUT = "HelperTimeout"
     DUMP_FAILED = "DumpFailed"
+    ENGINE_ROUTE_FAILED = "EngineRouteFailed"
+    ENGINE_ROUTE_TIMEOUT = "EngineRouteTimeout"
     DISK_FULL = "DiskFull"
     INCOMPLETE_CAPTURE = "IncompleteCapture"
     CRIU_RESTORE_FAILED = "CriuRestoreFailed"
@@ -223,10 +238,11 @@ class Reason(StrEnum):
 # Refusals that will not go away while the pod, its spec and the policy stay as they are: the
 # entrypoint's io_uring filter is off, its pid range is not reserved (or the worker already holds
 # pids below it), the worker's NCCL settings make a checkpoint impossible to undo, the node's image
-# budget is spent. Retrying them only keeps a worker out of serving; the controller puts it back
-# into serving at once and asks again only after the spec, the pod or the policy changed.
+# budget is spent, its engine has no sleep routes (tier engine). Retrying them only keeps a worker
+# out of serving; the controller puts it back into serving at once and asks again only after the
+# spec, the pod or the policy changed.
 PERMANENT_REFUSALS: Final = frozenset({Reason.SECCOMP_OFF, Reason.PID_RESERVATION_MISSING, Reason.UNSAFE_MULTI_GPU,
-                                       Reason.DISK_BUDGET_EXCEEDED})
+                                       Reason.DISK_BUDGET_EXCEEDED, Reason.ENGINE_ROUTES_MISSING})
 
 
 # Capture images on a node: <images root>/<namespace>_<pod>_<pod uid>/<capture id>/ (final) and

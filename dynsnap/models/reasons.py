@@ -176,6 +176,14 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "(`--images-budget-bytes`) or the free space of `--images-root`.",
         "Raise the budget or free the disk; images of pods gone from the node are deleted every "
         "`--gc-interval`. Or use tier suspend for this component."),
+    Reason.ENGINE_ROUTES_MISSING: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier engine",
+        "The worker's engine has no sleep routes on its system port: neither vLLM's `control/sleep` and "
+        "`control/wake_up` nor TRT-LLM's `control/release_memory_occupation` and `resume_memory_occupation` "
+        "(each answered 404 to a wake, which changes nothing on an awake engine). Not asked again until the "
+        "spec changes.",
+        "Use tier `auto` (engine where the routes exist, suspend where not) or `suspend` for this component; "
+        "or run an engine that registers the routes (Dynamo's vLLM and TRT-LLM workers do)."),
     Reason.PIDS_IN_USE: ReasonDoc(
         REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); a snapshot wake",
         "Processes of the pod's pid namespace hold pids of the capture; CRIU restores pids exactly.",
@@ -224,8 +232,20 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
     Reason.DUMP_FAILED: ReasonDoc(
         FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
         "CRIU's dump failed; the worker tree was left running and is put back into serving. The message "
-        "carries the tail of CRIU's log.",
-        "Read the CRIU log tail in the message. `criu check` on the node shows missing kernel support."),
+        "carries CRIU's error and warning lines and the cause named from them (traced, io_uring, ...).",
+        "Read CRIU's lines in the message. `criu check` on the node shows missing kernel support."),
+    Reason.ENGINE_ROUTE_FAILED: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent); tier engine",
+        "The engine answered its sleep or wake route with an error (`{\"status\": \"error\"}`, another HTTP "
+        "status, or no JSON); its message is quoted. A failed sleep is rolled back by the wake route (idempotent: "
+        "an awake engine answers \"already awake\"), and the worker returns to serving.",
+        "Read the engine's message and the worker's log; the capture is tried again after the backoff."),
+    Reason.ENGINE_ROUTE_TIMEOUT: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent); tier engine",
+        "The engine did not answer its sleep or wake route within `--engine-route-timeout`. The sleep may be half "
+        "done: the wake route settles it, and the controller's wake deadline ends a wake that never comes back.",
+        "Look at the worker's log (a drain that does not end: requests the engine cannot abort?); raise the "
+        "bound if the engine is just slow."),
     Reason.DISK_FULL: ReasonDoc(
         FAILED, "failure", "`Degraded=True`, `status.lastError` (agent)",
         "The image directory filled up during the dump; the partial images are removed and the worker "

@@ -54,8 +54,13 @@ class WorkerSnapshotSpec(_Model):
             {"rule": "self == oldSelf", "message": "podUID is immutable: make a new WorkerSnapshot"}]})]
     container: Annotated[str, Field(max_length=63, pattern=DNS1123_LABEL, description=(
         "The worker container (Dynamo's operator names it main)."))] = "main"
-    tier: Annotated[Tier, Field(description="suspend: CUDA checkpoint only; snapshot: also CRIU to node disk.")]
+    tier: Annotated[Tier, Field(description=(
+        "suspend: CUDA checkpoint only; snapshot: also CRIU to node disk; engine: the engine's own sleep "
+        "routes; auto: engine where the worker's engine has them, else suspend (picked by the agent)."))]
     desired_state: Annotated[DesiredState, Field(description="Active or Suspended.")] = DesiredState.ACTIVE
+    engine_sleep_level: Annotated[int, Field(ge=1, le=3, description=(
+        "Tier engine: the level the engine sleeps at (vLLM: 1 weights to host memory and the KV cache "
+        "dropped; 2 and 3 drop more). Engines whose route takes no level ignore it."))] = 1
 
 
 class Condition(_Model):

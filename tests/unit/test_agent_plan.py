@@ -9,7 +9,7 @@ from dynsnap.models.protocol import DesiredState, EntrypointState, ObservedState
 
 E = EntrypointState
 SUSP, ACT = DesiredState.SUSPENDED, DesiredState.ACTIVE
-SNAP, TIER1 = Tier.SNAPSHOT, Tier.SUSPEND
+SNAP, TIER1, ENG = Tier.SNAPSHOT, Tier.SUSPEND, Tier.ENGINE
 DONE = Staging(complete=True, rejected=False)
 HALF = Staging(complete=False, rejected=False)
 REJECTED = Staging(complete=True, rejected=True)
@@ -62,6 +62,20 @@ ROWS = [
     ((E.ACTIVE, True, ("running",), {}, ACT, SNAP), Step.NONE),
     ((E.ACTIVE, True, ("running",), {"leftovers": True}, ACT, SNAP), Step.CLEANUP),
     ((E.ACTIVE, True, ("running",), {"leftovers": True}, SUSP, SNAP), Step.CLEANUP),
+    # tier engine: the engine's routes, each with its settle; both idempotent, so asked again after a crash
+    ((E.ACTIVE, True, ("running",), {}, SUSP, ENG), Step.QUIESCE),
+    ((E.SUSPENDING, True, ("running",), {}, SUSP, ENG), Step.ENGINE_SLEEP),
+    ((E.SUSPENDED, True, (), {}, SUSP, ENG), Step.NONE),
+    ((E.SUSPENDED, True, (), {}, ACT, ENG), Step.WAKE),
+    ((E.RESTORING, True, ("running",), {}, ACT, ENG), Step.ENGINE_WAKE),
+    ((E.RESTORING, True, ("running",), {}, SUSP, ENG), Step.ENGINE_WAKE),  # a wake under way finishes
+    ((E.SUSPENDING, True, ("running",), {}, ACT, ENG), Step.ENGINE_WAKE),  # a capture called off: wake undoes
+    ((E.ACTIVE, True, ("running",), {}, ACT, ENG), Step.NONE),
+    ((E.ACTIVE, True, ("locked",), {}, SUSP, ENG), Step.GPU_ROLLBACK),  # a driver tier's leftover first
+    ((E.ACTIVE, True, ("running",), {"leftovers": True}, SUSP, ENG), Step.CLEANUP),
+    ((E.SUSPENDING, False, (), {}, SUSP, ENG), Step.GIVE_UP),  # the worker died asleep: nothing wakes it
+    ((E.SUSPENDED, False, (), {}, ACT, ENG), Step.GIVE_UP),
+    ((E.RESTORING, False, (), {}, ACT, ENG), Step.GIVE_UP),
 ]
 
 
@@ -102,7 +116,7 @@ def test_a_sleeping_worker_is_planned_without_the_drivers_answer(ep: EntrypointS
             for staging in staging_opts:
                 for leftovers in (True, False):
                     for want in (SUSP, ACT):
-                        for tier in (SNAP, TIER1):
+                        for tier in (SNAP, TIER1, ENG):
                             base = {"ep_state": ep, "worker_alive": alive, "capture": capture,
                                     "staging": staging, "leftovers": leftovers}
                             unasked = plan(Facts(**base, gpu_states=()), want=want, tier=tier)  # type: ignore[arg-type]

@@ -31,6 +31,12 @@ def test_no_annotations_is_the_default_policy_not_opted_in() -> None:
     (P.ANN_IDLE_AFTER, "168h", "idle_after", 7 * 24 * 3600.0),
     (P.ANN_TIER, "snapshot", "tier", Tier.SNAPSHOT),
     (P.ANN_TIER, "suspend", "tier", Tier.SUSPEND),
+    (P.ANN_TIER, "engine", "tier", Tier.ENGINE),
+    (P.ANN_TIER, "auto", "tier", Tier.AUTO),
+    (P.ANN_ENGINE_SLEEP_LEVEL, "1", "engine_sleep_level", 1),
+    (P.ANN_ENGINE_SLEEP_LEVEL, "3", "engine_sleep_level", 3),
+    (P.ANN_WAKE_ON_REQUEST, "true", "wake_on_request", True),
+    (P.ANN_WAKE_ON_REQUEST, "false", "wake_on_request", False),
     (P.ANN_MIN_ACTIVE, "1", "min_active", 1),
     (P.ANN_MIN_ACTIVE, "3", "min_active", 3),
     (P.ANN_VERIFY_REQUESTS, "1", "verify_requests", 1),
@@ -45,7 +51,8 @@ def test_each_annotation_parses_its_good_values(key: str, value: str, field: str
     assert getattr(parsed.policy, field) == want
 
 
-MIN_ACTIVE_0 = ("must be at least 1: a model with no live worker disappears from the frontend and answers 404")
+MIN_ACTIVE_0 = ("must be at least 1: a model with no live worker disappears from the frontend and answers 404 "
+                "(0 is allowed with dynsnap.io/wake-on-request: \"true\", tier suspend)")
 
 
 @pytest.mark.parametrize(("key", "value", "why"), [
@@ -59,8 +66,8 @@ MIN_ACTIVE_0 = ("must be at least 1: a model with no live worker disappears from
     (P.ANN_IDLE_AFTER, "0s", "must be more than 0 and at most 7 days"),
     (P.ANN_IDLE_AFTER, "0", "must be more than 0 and at most 7 days"),
     (P.ANN_IDLE_AFTER, "169h", "must be more than 0 and at most 7 days"),
-    (P.ANN_TIER, "hibernate", "must be one of suspend, snapshot"),
-    (P.ANN_TIER, "Snapshot", "must be one of suspend, snapshot"),
+    (P.ANN_TIER, "hibernate", "must be one of suspend, snapshot, engine, auto"),
+    (P.ANN_TIER, "Snapshot", "must be one of suspend, snapshot, engine, auto"),
     (P.ANN_MIN_ACTIVE, "0", MIN_ACTIVE_0),
     (P.ANN_MIN_ACTIVE, " 0 ", MIN_ACTIVE_0),
     (P.ANN_MIN_ACTIVE, "-1", "not a whole number"),
@@ -75,6 +82,10 @@ MIN_ACTIVE_0 = ("must be at least 1: a model with no live worker disappears from
     (P.ANN_WAKE_AT_INFLIGHT, "many", "not a number"),
     (P.ANN_ON_FAILED_WAKE, "delete", "must be restart or none"),
     (P.ANN_ON_FAILED_WAKE, "", "must be restart or none"),
+    (P.ANN_ENGINE_SLEEP_LEVEL, "0", "must be between 1 and 3"),
+    (P.ANN_ENGINE_SLEEP_LEVEL, "4", "must be between 1 and 3"),
+    (P.ANN_ENGINE_SLEEP_LEVEL, "one", "not a whole number"),
+    (P.ANN_WAKE_ON_REQUEST, "yes", "must be true or false"),
 ])
 def test_each_bad_value_is_refused_with_key_value_and_why(key: str, value: str, why: str) -> None:
     for dgd, comp in (({key: value}, {}), ({}, {key: value})):  # on the DGD or on the component
@@ -85,9 +96,32 @@ def test_each_bad_value_is_refused_with_key_value_and_why(key: str, value: str, 
 
 
 def test_min_active_0_names_the_404_it_would_cause() -> None:
-    parsed = parse_policy({P.ANN_ENABLED: "true"}, {P.ANN_MIN_ACTIVE: "0"})
-    assert parsed.policy is None
-    assert "answers 404" in parsed.message() and "dynsnap.io/min-active='0'" in parsed.message()
+    for off in ({}, {P.ANN_WAKE_ON_REQUEST: "false"}):
+        parsed = parse_policy({P.ANN_ENABLED: "true", **off}, {P.ANN_MIN_ACTIVE: "0"})
+        assert parsed.policy is None
+        assert "answers 404" in parsed.message() and "dynsnap.io/min-active='0'" in parsed.message()
+
+
+def test_min_active_0_with_wake_on_request_on_tier_suspend() -> None:
+    parsed = parse_policy({P.ANN_ENABLED: "true", P.ANN_WAKE_ON_REQUEST: "true"}, {P.ANN_MIN_ACTIVE: "0"})
+    assert parsed.policy is not None, parsed.message()
+    assert parsed.policy.min_active == 0 and parsed.policy.wake_on_request and parsed.policy.tier == Tier.SUSPEND
+
+
+@pytest.mark.parametrize(("tier", "why"), [
+    ("snapshot", "a dumped worker holds no listener"),
+    ("engine", "the engine's sleep unregisters its endpoint, so the model leaves the frontend"),
+    ("auto", "auto may pick engine, whose sleep unregisters the endpoint"),
+])
+def test_wake_on_request_is_refused_with_a_tier_that_cannot_sleep_routable(tier: str, why: str) -> None:
+    for where in ("dgd", "component"):
+        keys = {P.ANN_WAKE_ON_REQUEST: "true", P.ANN_TIER: tier, P.ANN_MIN_ACTIVE: "0"}
+        parsed = parse_policy(keys, {}) if where == "dgd" else parse_policy({}, keys)
+        assert parsed.policy is None
+        assert parsed.problems == (Problem(P.ANN_WAKE_ON_REQUEST, "true",
+                                           f"wake-on-request needs tier suspend: a worker that sleeps routable must "
+                                           f"keep its listener and its registration, and tier {tier} does not "
+                                           f"({why})"),)
 
 
 @pytest.mark.parametrize("typo", ["dynsnap.io/min-actve", "dynsnap.io/idle_after", "dynsnap.io/Tier",
@@ -98,7 +132,8 @@ def test_an_unknown_dynsnap_key_is_refused_not_ignored(typo: str) -> None:
         assert parsed.policy is None
         assert len(parsed.problems) == 1 and parsed.problems[0].key == typo
         assert parsed.problems[0].why.startswith("unknown dynsnap.io/ annotation (known: enabled, idle-after, tier, "
-                                                 "min-active, verify-requests, wake-at-inflight, on-failed-wake")
+                                                 "min-active, verify-requests, wake-at-inflight, on-failed-wake, "
+                                                 "engine-sleep-level, wake-on-request")
 
 
 def test_keys_that_are_not_policy_are_left_alone() -> None:
