@@ -51,7 +51,8 @@ async def quiesce(ex: Executor, c: StepCall) -> None:
         if not ok:
             raise StepFailure(Reason.DISK_BUDGET_EXCEEDED, why, changed=False)
     c.info["pids"] = pid_records(w)
-    await ex.request(c.obs, EntrypointState.SUSPENDING)
+    # Routable: straight to its sleeping state, /health staying 200 (the pod stays Ready), no suspending.
+    await ex.request(c.obs, EntrypointState.ROUTABLE if c.routable else EntrypointState.SUSPENDING)
 
 
 def snapshot_preflight(ex: Executor, w: W.WorkerProcs) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -148,17 +149,17 @@ class Executor:
         host = next((p.pid for p in w.procs if p.ns_pid == root), None)
         return host is not None and procfs.cmdline(host, self.proc) == want
 
-    def next_step(self, obs: Observation, *, want: DesiredState, tier: Tier) -> Step:
-        return plan(obs.facts, want=want, tier=tier)
+    def next_step(self, obs: Observation, *, want: DesiredState, tier: Tier, routable: bool = False) -> Step:
+        return plan(obs.facts, want=want, tier=tier, routable=routable)
 
     # -- doing ----------------------------------------------------------------------------------
 
     async def run_step(self, subject: Subject, obs: Observation, step: Step, *, tier: Tier,
                        gate: ServingGate = no_gate, capture_id: str | None = None,
-                       engine_sleep_level: int = 1) -> StepResult:
+                       engine_sleep_level: int = 1, routable: bool = False) -> StepResult:
         t0 = time.monotonic()
         call = StepCall(subject=subject, obs=obs, tier=tier, gate=gate, capture_id=capture_id,
-                        engine_sleep_level=engine_sleep_level)
+                        engine_sleep_level=engine_sleep_level, routable=routable)
         await HANDLERS[step](self, call)
         return StepResult(step=step, seconds=time.monotonic() - t0, info=call.info)
 
@@ -177,6 +178,29 @@ class Executor:
                         subject.pod, e)
             return Tier.SUSPEND
         return Tier.ENGINE
+
+    async def stop_worker(self, obs: Observation) -> str:
+        """SIGKILL the worker's root process (through a pidfd opened and checked first: the entrypoint's
+        child at the worker's pid, in the pod's pid namespace), so that its container ends and the
+        connections it holds close: the fallback of a wake on request that failed, whose requests
+        would otherwise wait in its CUDA calls for ever. What was done, in words."""
+        w = obs.worker
+        root = w.worker_root
+        host = next((p.pid for p in w.procs if p.ns_pid == root and p.ppid == w.entrypoint), None)
+        if host is None:
+            return "no worker process to stop"
+        try:
+            fd = os.pidfd_open(host)
+        except OSError as e:
+            return f"worker pid {host} not stopped: {e.strerror}"
+        try:
+            st = procfs.status(host, self.proc)  # still that process (the pidfd pins it from here on)
+            if st is None or st.ppid != w.entrypoint or procfs.pid_ns(host, self.proc) != w.pidns:
+                return f"worker pid {host} not stopped: it is no longer the worker"
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        finally:
+            os.close(fd)
+        return f"worker pid {host} stopped (SIGKILL): its container restarts it cold"
 
     async def request(self, obs: Observation, state: EntrypointState) -> dict[str, Any]:
         """Ask the worker's entrypoint for ``state``; its control file once it acknowledged it."""

@@ -69,6 +69,7 @@ async def run_agent(kube: Kube, settings: AgentSettings, *, stop: asyncio.Event 
                       sync_timeout=SYNC_TIMEOUT)
     manager.add("workers", reconcile)
     manager.add("image gc", lambda stop: _gc_loop(agent, stop))
+    manager.add("wake on request", agent.watch_routable)
     await manager.run(stop)
 
 

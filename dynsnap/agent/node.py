@@ -26,6 +26,7 @@ helper still running, an entrypoint mid-request) is finished or rolled back.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,13 +35,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from dynsnap.agent import attempts as A
+from dynsnap.agent import edge as E
 from dynsnap.agent import idle as I
 from dynsnap.agent import status as S
 from dynsnap.agent import worker as W
 from dynsnap.agent.admission import Verdict, admit, container_id
 from dynsnap.agent.container import ContainerRefused
 from dynsnap.agent.executor import Executor, Observation, StepFailure, Subject
-from dynsnap.agent.plan import Step
+from dynsnap.agent.plan import WAKE_STEPS, Step
 from dynsnap.agent.report import Reporter, traceparent_of, ws_object
 from dynsnap.agent.serving import serving_gate
 from dynsnap.agent.settings import AgentSettings
@@ -73,6 +75,9 @@ class NodeAgent:
     _unwritten: dict[str, WorkerSnapshotStatus] = field(default_factory=dict)
     # key -> when this agent began waiting for a helper an earlier agent left running (monotonic)
     _waiting: dict[str, float] = field(default_factory=dict)
+    # key -> when a request was seen reaching the worker while it slept routable (wake on request): the
+    # reconcile wakes it; dropped once its wake is on record (its trigger says it from then on)
+    _requests: dict[str, float] = field(default_factory=dict)
     # served on the health port's /metrics (main.py passes its render to the health server)
     metrics: Metrics = field(default_factory=Metrics)
     reporter: Reporter = field(init=False)
@@ -182,8 +187,10 @@ class NodeAgent:
             await self._write(ws, S.refused(ws, Verdict(False, e.reason, str(e))))
             return None
         want, backoff_left = A.effective(ws, self.settings, utcnow())
+        if want == DesiredState.SUSPENDED and (key in self._requests or S.woken_by_request(ws)):
+            want = DesiredState.ACTIVE  # a request reached it asleep routable: awake until the spec says again
         tier = await self._tier(ws, obs, subject)
-        step = self.executor.next_step(obs, want=want, tier=tier)
+        step = self.executor.next_step(obs, want=want, tier=tier, routable=ws.spec.routable)
         status = S.accepted(ws, ws.status.model_copy(deep=True))
         waited = self._waiting.pop(key, None) if step != Step.WAIT_HELPER else None
         if waited is not None:  # the helper this agent waited for is gone
@@ -226,7 +233,12 @@ class NodeAgent:
                   step: Step, *, tier: Tier, want: DesiredState, pod: Obj) -> float | None:
         # The trace this capture or wake joins is the one asked for when it starts (a later request
         # brings a new traceparent, which must not take over this operation's spans).
+        woken = S.is_open(status.last_wake)
         S.open_record(status, obs, step, tier=tier, want=want, trace_context=traceparent_of(ws))
+        if not woken and S.is_open(status.last_wake) and status.last_wake is not None:
+            status.last_wake.generation = ws.metadata.generation
+            if ws.key in self._requests:  # the agent's own wake, for the request that reached the worker
+                status.last_wake.trigger = "request"
         capture_id = status.last_capture.id if S.is_open(status.last_capture) and status.last_capture else None
         if step == Step.WAIT_HELPER:
             status.state = obs.state
@@ -235,15 +247,17 @@ class NodeAgent:
             await self._event(ws, "Warning", Reason.INTERRUPTED, why)
         meta = pod["metadata"]
         gate = serving_gate(self.kube, lambda: self._pod(meta["namespace"], meta["name"]) or pod,
-                            metrics_port=self.settings.metrics_port)
+                            metrics_port=self.settings.metrics_port, routable=ws.spec.routable)
         try:
             result = await self.executor.run_step(subject, obs, step, tier=tier, gate=gate, capture_id=capture_id,
-                                                  engine_sleep_level=ws.spec.engine_sleep_level)
+                                                  engine_sleep_level=ws.spec.engine_sleep_level,
+                                                  routable=ws.spec.routable)
         except StepFailure as f:
-            return await self._failed(ws, status, step, f)
+            return await self._failed(ws, status, step, f, obs)
         except Exception as e:  # a bug or an unexpected OS error: reported, never swallowed
             log.exception("%s: step %s", ws.key, step)
-            return await self._failed(ws, status, step, StepFailure(Reason.INTERRUPTED, f"{type(e).__name__}: {e}"))
+            return await self._failed(ws, status, step, StepFailure(Reason.INTERRUPTED, f"{type(e).__name__}: {e}"),
+                                      obs)
         if step != Step.WAIT_HELPER or ws.key not in self._waiting:
             # One entry for the whole wait: an entry per look would change status on every look, and
             # each write would start the next reconcile at once (a status write storm while CRIU runs).
@@ -257,6 +271,9 @@ class NodeAgent:
             asleep = step in S.FINAL_STEPS
             await self._event(ws, "Normal", Reason.SUSPENDED if asleep else Reason.ACTIVE,
                               S.finished(ws, status, asleep=asleep))
+        elif step in S.ACTIVE_STEPS and S.woken_by_request(ws, status):
+            self._requests.pop(ws.key, None)  # on record now: the status says it (S.woken_by_request)
+            await self._event(ws, "Normal", Reason.WOKEN_BY_REQUEST, S.finished(ws, status, asleep=False))
         elif step in (Step.QUIESCE, Step.WAKE):
             await self._event(ws, "Normal", Reason.CAPTURING if step == Step.QUIESCE else Reason.WAKING,
                               f"{step.value} ({tier.value})")
@@ -271,8 +288,18 @@ class NodeAgent:
         except (W.WorkerNotFound, W.NotUnderEntrypoint, ContainerRefused):
             return None
 
-    async def _failed(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, step: Step, f: StepFailure
-                      ) -> float | None:
+    async def _failed(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, step: Step, f: StepFailure,
+                      obs: Observation | None = None) -> float | None:
+        if step in WAKE_STEPS and S.woken_by_request(ws, status) and obs is not None:
+            # A wake on request that failed: the requests the worker holds wait in its CUDA calls for a
+            # wake that is not coming. Stopping the worker ends them with an error (their connections
+            # close) within this bound, never a hang; its container starts it cold, and the controller
+            # records the failed wake (the worker Lost: at once) and its fallback.
+            await self._event(ws, "Warning", f.reason, f"{step.value}: {f.message}")
+            self._requests.pop(ws.key, None)
+            why = await self.executor.stop_worker(obs)
+            f = StepFailure(Reason.WORKER_LOST, f"wake on request failed ({f.reason.value}: {f.message[:2000]}); {why}")
+            status.state = ObservedState.LOST
         S.failed(ws, status, step, f)
         await self._event(ws, "Warning", f.reason, f"{step.value}: {f.message}")
         await self._write(ws, status)
@@ -333,6 +360,25 @@ class NodeAgent:
                 key = f"{obj['metadata'].get('namespace')}/{obj['metadata'].get('name')}"
                 statuses.append((self._ws(key) or obj).get("status") or {})
         self.reporter.node_gauges(statuses, self.queue.depth)
+
+    # -- wake on request -----------------------------------------------------------------------
+
+    def on_request(self, key: str) -> None:
+        """A request reached a worker asleep routable (edge.py): wake it now."""
+        self._requests.setdefault(key, time.monotonic())
+        self.queue.add(key)
+
+    async def watch_routable(self, stop: asyncio.Event) -> None:
+        def pod_ip(ns: str, name: str) -> str | None:
+            pod = self._pod(ns, name)
+            ip = ((pod or {}).get("status") or {}).get("podIP")
+            return str(ip) if ip else None
+
+        def sleepers() -> list[E.Sleeper]:
+            objs = [self._ws(f"{o['metadata']['namespace']}/{o['metadata']['name']}") or o
+                    for o in self.ws_informer.store.list()] if self.ws_informer is not None else []
+            return E.routable_sleepers(objs, pod_ip, port=self.settings.metrics_port)
+        await E.watch(sleepers, self.on_request, interval=self.settings.routable_poll_interval, stop=stop)
 
     # -- housekeeping -------------------------------------------------------------------------
 

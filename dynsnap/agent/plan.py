@@ -72,11 +72,14 @@ def _all(states: Sequence[str], value: str) -> bool:
     return all(s == value for s in states)
 
 
-def plan(f: Facts, *, want: DesiredState, tier: Tier) -> Step:
+def plan(f: Facts, *, want: DesiredState, tier: Tier, routable: bool = False) -> Step:
     """The next step for a worker whose node shows ``f``, towards ``want`` (at ``tier``: the tier of
-    the capture under way or asleep, never ``auto``)."""
+    the capture under way or asleep, never ``auto``; ``routable``: a sleep that keeps it in serving)."""
     if f.helper_running:
         return Step.WAIT_HELPER
+    if f.ep_state == E.ROUTABLE or (routable and tier == Tier.SUSPEND and want == DesiredState.SUSPENDED
+                                    and f.ep_state == E.ACTIVE):
+        return _routable(f, want)
     if tier == Tier.ENGINE and f.ep_state != E.SNAPSHOTTED:
         return _engine(f, want)
     if f.ep_state == E.RESTORING:
@@ -156,6 +159,31 @@ def _towards_active(f: Facts) -> Step:
     return Step.NONE
 
 
+def _routable(f: Facts, want: DesiredState) -> Step:
+    """A sleep that keeps the worker in serving (wake on request): the entrypoint goes straight from
+    active to routable (its /health stays 200, so the pod stays Ready: no suspending, no restoring),
+    the GPU processes are saved and resumed in that state, and the wake ends with active. A request
+    that reaches the worker meanwhile waits in its own CUDA calls."""
+    st, gpu = f.ep_state, f.gpu_states
+    if st == E.ACTIVE:  # asked to sleep routable
+        if not _all(gpu, "running"):
+            return Step.GPU_ROLLBACK
+        return Step.CLEANUP if f.leftovers else Step.QUIESCE
+    if not f.worker_alive:
+        return Step.GIVE_UP  # its tree died asleep: nothing wakes it in place
+    if want == DesiredState.SUSPENDED:
+        if gpu and _all(gpu, "running"):
+            return Step.SAVE
+        if _all(gpu, "checkpointed"):  # also: no GPU process at all
+            return Step.NONE
+        return Step.GPU_ROLLBACK  # an interrupted save: back to running, then saved again
+    if "checkpointed" in gpu:
+        return Step.RESUME
+    if "locked" in gpu:
+        return Step.UNLOCK
+    return Step.SETTLE_ACTIVE
+
+
 def _engine(f: Facts, want: DesiredState) -> Step:
     """Tier engine: the engine sleeps and wakes itself; the worker's processes stay as they are. Both
     routes are idempotent, so after an agent died mid-way the step is simply asked again: a sleep of a
@@ -188,4 +216,10 @@ def observed(f: Facts) -> ObservedState:
         return ObservedState.SUSPENDED if _restorable(f) or (f.staging and f.staging.complete) else ObservedState.LOST
     if st == E.RESTORING:
         return ObservedState.WAKING if f.worker_alive or _restorable(f) else ObservedState.LOST
+    if st == E.ROUTABLE:  # asleep once every GPU process is checkpointed; serving while they all run
+        if not f.worker_alive:
+            return ObservedState.LOST
+        if _all(f.gpu_states, "checkpointed"):
+            return ObservedState.SUSPENDED
+        return ObservedState.ACTIVE if _all(f.gpu_states, "running") else ObservedState.CAPTURING
     return ObservedState.CAPTURING

@@ -47,12 +47,14 @@ async def confirmed_serving_gate(kube: Kube, cached: Obj) -> tuple[str | None, O
     return pod_serving_gate(live), live
 
 
-def serving_gate(kube: Kube, cached: Callable[[], Obj], *, metrics_port: int) -> ServingGate:
+def serving_gate(kube: Kube, cached: Callable[[], Obj], *, metrics_port: int, routable: bool = False) -> ServingGate:
     """The executor's gate for one pod: None when it is out of serving, else why not. ``cached``
-    returns the pod as the informer's store holds it now."""
+    returns the pod as the informer's store holds it now. ``routable``: a sleep that keeps the worker
+    in serving (wake on request): only nothing in flight is asked for; a request that comes after is
+    held by the worker and wakes it."""
     async def gate(_: W.WorkerProcs) -> str | None:
         serving, current = await confirmed_serving_gate(kube, cached())
-        if serving != "False":
+        if serving != "False" and not routable:
             return (f"the pod's {P.CONDITION_SERVING} condition is {serving or 'unset'}, not False: the "
                     "controller quiesces a worker before it is captured")
         ip = (current.get("status") or {}).get("podIP")

@@ -87,6 +87,11 @@ class AgentSettings(BaseModel):
         "GB/s); two minutes before the call is a named failure (EngineRouteTimeout)."))] = 120.0
     metrics_port: Annotated[int, Field(gt=0, lt=65536, description=(
         "The worker's Dynamo system port, where the agent scrapes in-flight and request counters."))] = 9090
+    routable_poll_interval: Annotated[float, Field(gt=0, le=5, description=(
+        "Seconds between looks at the in-flight gauge of each worker asleep routable (wake on request): a request "
+        "that reaches one is seen within this and wakes it. 50 ms: a wake on request is asked for within a "
+        "tenth of a second of the request (issue 20), at 20 small GETs a second per routable sleeper (one per "
+        "component at most)."))] = 0.05
     scrape_interval: Annotated[float, Field(gt=0, description=(
         "Seconds between scrapes of an active worker's metrics. Idle is measured in minutes; 10 s is fine-grained "
         "enough and costs one local HTTP request per worker."))] = 10.0

@@ -48,6 +48,14 @@ def is_open(rec: OperationRecord | None) -> bool:
     return rec is not None and rec.finished is None
 
 
+def woken_by_request(ws: WorkerSnapshot, status: WorkerSnapshotStatus | None = None) -> bool:
+    """The latest wake is the agent's own, for a request that reached the worker asleep routable, under
+    the spec it still has: until the controller writes the spec again (Active, then maybe Suspended),
+    the worker stays awake whatever the spec's Suspended says."""
+    w = (status or ws.status).last_wake
+    return w is not None and w.trigger == "request" and w.generation == ws.metadata.generation
+
+
 def accepted(ws: WorkerSnapshot, status: WorkerSnapshotStatus) -> WorkerSnapshotStatus:
     status.observed_generation = ws.metadata.generation
     status.conditions = set_condition(status.conditions, CT.ACCEPTED, True, Reason.ACCEPTED,
@@ -83,10 +91,12 @@ def _suspended(ws: WorkerSnapshot, status: WorkerSnapshotStatus, ep_state: P.Ent
         status.conditions = set_condition(status.conditions, CT.SUSPENDED, asleep,
                                           Reason.SUSPENDED if asleep else Reason.ACTIVE, "", generation=gen)
         return
-    reason = (Reason.SNAPSHOTTED if ep_state == P.EntrypointState.SNAPSHOTTED else Reason.SUSPENDED
-              ) if asleep else Reason.ACTIVE
-    status.conditions = set_condition(status.conditions, CT.SUSPENDED, asleep, reason,
-                                      "asleep: GPU memory freed" if asleep else "serving", generation=gen)
+    words = {P.EntrypointState.SNAPSHOTTED: (Reason.SNAPSHOTTED, "asleep: GPU memory freed"),
+             P.EntrypointState.ROUTABLE: (Reason.ROUTABLE, "asleep, routable: GPU memory freed, still in serving; "
+                                          "its first request wakes it")}
+    reason, text = words.get(ep_state, (Reason.SUSPENDED, "asleep: GPU memory freed")) if asleep else (
+        Reason.ACTIVE, "serving")
+    status.conditions = set_condition(status.conditions, CT.SUSPENDED, asleep, reason, text, generation=gen)
 
 
 def settled(ws: WorkerSnapshot, status: WorkerSnapshotStatus, obs: Observation) -> WorkerSnapshotStatus:
@@ -134,7 +144,8 @@ def adopt(status: WorkerSnapshotStatus, obs: Observation, step: Step, *, tier: T
         status.last_capture = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow(),
                                               trace_context=trace_context)
         status.image = None
-    elif step in WAKE_STEPS and obs.worker.state == P.EntrypointState.RESTORING:
+    elif step in WAKE_STEPS and obs.worker.state in (P.EntrypointState.RESTORING, P.EntrypointState.ROUTABLE):
+        # (a wake from routable has no `wake` step: it is resumed where it sleeps, still in serving)
         status.last_wake = OperationRecord(id=new_capture_id(), tier=tier, started=utcnow(),
                                            trace_context=trace_context)
 

@@ -78,6 +78,7 @@ class StepCall:
     gate: ServingGate = no_gate
     capture_id: str | None = None
     engine_sleep_level: int = 1  # tier engine: the level the engine sleeps at (the spec's)
+    routable: bool = False  # a sleep that keeps the worker in serving (wake on request; the spec's)
     info: dict[str, Any] = field(default_factory=dict)
 
 

@@ -73,6 +73,7 @@ class WorkerView:
     override: str | None = None  # DesiredState value from dynsnap.io/desired-state
     serving_since: datetime | None = None  # its last verified return to serving (a wake or a recall)
     sleep_refused: str | None = None  # why it is never asked to sleep: its capture was refused for good
+    routable: bool = False  # asleep (or going to sleep) routable: still in serving, woken by a request
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Decision:
     refused: bool = False  # the override asked for something that is not allowed
     reason: Reason = Reason.MIN_ACTIVE  # the Warning Event's reason when ``refused``
     again_after: float | None = None  # look again then (an idle threshold still to cross)
+    routable: bool = False  # sleep routable (wake on request): the component's last worker, kept in serving
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,16 @@ def _wakes(out: dict[str, Decision], *, awake: list[WorkerView], quiescing: list
             deficit -= 1
 
 
+ROUTABLE_WHY = "; the last worker sleeps routable (wake on request): its first request wakes it"
+
+
+def _last_of(w: WorkerView, awake: list[WorkerView], quiescing: list[WorkerView], policy: Policy) -> bool:
+    """Whether ``w`` going to sleep leaves its component with no awake worker, under wake on request:
+    then it sleeps routable, so the model stays listed; every other sleeper is quiesced as usual, so no
+    request waits for a wake while an awake worker could serve it."""
+    return policy.wake_on_request and not quiescing and [x.name for x in awake] == [w.name]
+
+
 def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: datetime) -> dict[str, Decision]:
     """What each worker of one component should be."""
     out: dict[str, Decision] = {}
@@ -152,8 +164,9 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
 
     awake = sorted((w for w in live if w.phase in AWAKE_PHASES), key=stay_rank)
     quiescing = sorted((w for w in live if w.phase == Phase.QUIESCING), key=stay_rank)
+    # A routable sleeper is woken first: it is resident, and the request that wakes it may already wait in it.
     asleep = sorted((w for w in live if w.phase in ASLEEP_PHASES),
-                    key=lambda w: (0 if w.override == active_override else 1,
+                    key=lambda w: (0 if w.override == active_override else 1, 0 if w.routable else 1,
                                    -(w.last_capture.timestamp() if w.last_capture else 0.0), w.name))
     ready = sum(1 for w in awake if w.phase == Phase.SERVING)
 
@@ -171,9 +184,11 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
             out[w.name] = Decision(Want.AWAKE, ("manual override suspended refused: " if refused else "")
                                    + w.sleep_refused, refused=refused, reason=Reason.CAPTURE_REFUSED)
             continue
+        last = _last_of(w, awake, quiescing, policy)
         if w.override == suspended_override:
             if w.phase == Phase.SERVING and ready - 1 >= policy.min_active:
-                out[w.name] = Decision(Want.ASLEEP, "manual override: suspended")
+                out[w.name] = Decision(Want.ASLEEP, "manual override: suspended" + (ROUTABLE_WHY if last else ""),
+                                       routable=last)
                 ready -= 1
             else:
                 out[w.name] = Decision(Want.AWAKE, f"manual override suspended refused: it would leave fewer than "
@@ -189,9 +204,15 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
             out[w.name] = Decision(Want.AWAKE, f"idle {idle:.0f}s of {policy.idle_after:g}s",
                                    again_after=max(policy.idle_after - idle, 0.05))
             continue
-        if w.phase == Phase.SERVING and ready - 1 >= need:
+        if policy.wake_on_request and w.phase == Phase.SERVING and ready - 1 < 1 and not last:
+            # It would leave none serving while others of the component are still awake or on their way
+            # to sleep (this very pass puts them there): it sleeps routable once they sleep.
+            out[w.name] = Decision(Want.AWAKE, f"idle {idle:.0f}s, the last one serving: it sleeps routable once "
+                                   "every other worker of the component sleeps", again_after=1.0)
+        elif w.phase == Phase.SERVING and ready - 1 >= need:
             out[w.name] = Decision(Want.ASLEEP, f"idle {idle:.0f}s >= {policy.idle_after:g}s; "
-                                   f"{ready - 1} stay serving (need {need})")
+                                   f"{ready - 1} stay serving (need {need})" + (ROUTABLE_WHY if last else ""),
+                                   routable=last)
             ready -= 1
         else:
             out[w.name] = Decision(Want.AWAKE, f"idle, but {need} must stay serving")

@@ -91,6 +91,15 @@ async def begin(ctx: Ctx, s: Scope, policy: Policy, d: Decision) -> float | None
 async def asleep(ctx: Ctx, s: Scope, policy: Policy, d: Decision) -> float | None:
     """The worker should sleep: one step of its quiesce (the capture's own phase follows the request)."""
     phase = s.phase
+    if phase == Phase.SERVING and d.routable:
+        # The component's last worker, under wake on request: it sleeps routable, kept in serving (gate
+        # True, endpoint ready, registration kept, the model listed): nothing to take it out of. The
+        # agent saves it only with nothing in flight; a request after that waits in it and wakes it.
+        again = await begin(ctx, s, policy, d)
+        if again != 0.0:
+            return again
+        s.reread(ctx.stores)
+        return await _request_capture(ctx, s, policy, routable=True)
     if phase == Phase.SERVING:
         return await begin(ctx, s, policy, d)
     if phase != Phase.QUIESCING:
@@ -136,15 +145,16 @@ async def _conditions(ctx: Ctx, s: Scope, q: OperationRecord) -> float | None:
     return None
 
 
-async def _request_capture(ctx: Ctx, s: Scope, policy: Policy) -> float:
+async def _request_capture(ctx: Ctx, s: Scope, policy: Policy, *, routable: bool = False) -> float:
     """Step 4: the capture asked, the quiesce closed and the capture's record opened."""
     q = s.rec.quiesce
     assert q is not None
     elapsed = (s.now - q.started).total_seconds()
-    written = await ctx.apply_spec(s.snap, desired=DesiredState.SUSPENDED,
+    written = await ctx.apply_spec(s.snap, desired=DesiredState.SUSPENDED, routable=routable,
                                    traceparent=q.trace_context or new_traceparent())
+    what = "routable capture (suspend, kept in serving)" if routable else f"capture ({policy.tier.value})"
     await ctx.say(s.pod, "Normal", Reason.CAPTURE_REQUESTED,
-                  f"quiesced in {elapsed:.2f}s; capture ({policy.tier.value}) requested", occurrence=q.id)
+                  f"quiesced in {elapsed:.2f}s; {what} requested", occurrence=q.id)
     if written is not None:
         s.reread(ctx.stores)
         if s.ws is not None and C.open_capture(s.snap, s.rec, s.now):

@@ -98,7 +98,7 @@ class Reconciler:
         _, bad = parse_override(F.annotations_of(pod).get(P.ANN_DESIRED_STATE))
         if bad:
             await self.ctx.say(pod, "Warning", Reason.INVALID_OVERRIDE, bad)
-        for phase_step in (C.reconcile_capture, W.reconcile_wake):
+        for phase_step in (W.reconcile_request_wake, C.reconcile_capture, W.reconcile_wake):
             done = await phase_step(self.ctx, s, policy)
             if not isinstance(done, Next):
                 return _soonest(done, s.again)
@@ -199,7 +199,9 @@ class Reconciler:
                           last_activity=idle.last_activity if idle else None,
                           last_capture=cap.started if cap else None, override=override,
                           serving_since=ver.finished if ver is not None and ver.ok else None,
-                          sleep_refused=refused)
+                          sleep_refused=refused,
+                          routable=ws is not None and ws.spec.routable
+                          and ws.spec.desired_state == P.DesiredState.SUSPENDED)
 
     def _plan(self, ns: str, dgd: str, component: str, policy: Policy) -> dict[str, Decision]:
         views = [self.view_of(p, policy) for p in self.component_pods(ns, dgd, component)]

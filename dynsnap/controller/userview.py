@@ -12,7 +12,8 @@ The columns:
 - DGD, COMPONENT: the Dynamo graph and component, from the labels Dynamo's operator puts on the
   worker pod (``nvidia.com/dynamo-graph-deployment-name``, ``nvidia.com/dynamo-component``), read
   from the WorkerSnapshot first when it carries them, else from the pod.
-- STATE: ``status.state`` (Active, Capturing, Suspended, Waking, Lost, Unknown), with ``quiescing``
+- STATE: ``status.state`` (Active, Capturing, Suspended, Waking, Lost, Unknown), with ``routable: its
+  first request wakes it`` while it sleeps routable (wake on request: still in serving), ``quiescing``
   while the controller's quiesce record is open (the worker is being taken out of serving before a
   capture), ``degraded <Reason>`` while the Degraded condition is True, ``capture refused <Reason>``
   while the controller's record holds a refusal of the agent's for this pod and spec
@@ -122,6 +123,7 @@ class Row:
     proof_current: bool  # ``proof`` is of the worker's latest return to serving (not history)
     invalid: str | None = None  # the object did not parse: why
     refusal: Refusal | None = None  # a capture refused for good, standing for this pod and spec
+    routable: bool = False  # asleep routable (wake on request): still in serving, its first request wakes it
 
     @property
     def key(self) -> str:
@@ -164,7 +166,14 @@ def row(ws: Obj, pod: Obj | None = None) -> Row:
         inflight=st.idle.inflight if st.idle is not None else None,
         last_capture=Op.of(st.last_capture), last_wake=wake, proof=proof, pending=pending,
         proof_current=current, refusal=_refusal(snap),
+        routable=_routable(snap),
     )
+
+
+def _routable(snap: WorkerSnapshot) -> bool:
+    """Asleep routable: the agent's Suspended condition says so (reason Routable)."""
+    sus = snap.condition(ConditionType.SUSPENDED)
+    return sus is not None and sus.status == "True" and sus.reason == P.Reason.ROUTABLE.value
 
 
 def _refusal(snap: WorkerSnapshot) -> Refusal | None:
@@ -216,6 +225,8 @@ def state_cell(r: Row) -> str:
     if r.invalid is not None:
         return f"Invalid ({r.invalid})"
     notes = []
+    if r.routable:
+        notes.append("routable: its first request wakes it")
     if r.quiescing:
         notes.append("quiescing")
     if r.degraded:
@@ -301,7 +312,7 @@ def as_json(r: Row, now: datetime) -> Obj:
     return {
         "namespace": r.namespace, "pod": r.pod, "dgd": r.dgd, "component": r.component, "state": r.state,
         "desiredState": r.desired, "tier": r.tier, "quiescing": r.quiescing, "degraded": r.degraded,
-        "podReplaced": r.pod_replaced, "invalid": r.invalid,
+        "podReplaced": r.pod_replaced, "invalid": r.invalid, "routable": r.routable,
         "captureRefused": None if r.refusal is None else {
             "reason": r.refusal.reason.value, "message": r.refusal.message, "at": _iso(r.refusal.at)},
         "idleSince": _iso(r.idle_since), "inflight": r.inflight,

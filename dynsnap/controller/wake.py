@@ -77,6 +77,19 @@ async def request_wake(ctx: Ctx, s: Scope, why: str, *, event: tuple[str, Reason
     return POLL
 
 
+async def reconcile_request_wake(ctx: Ctx, s: Scope, policy: Policy) -> Step:
+    """A worker asleep routable that the agent woke for a request that reached it (its wake's trigger,
+    under the spec's current generation): the spec follows (Active, as one wake), and the return is
+    verified as any wake's. The controller is told by the status, not asked."""
+    ws = s.snap
+    w = ws.status.last_wake
+    if ws.spec.desired_state != DesiredState.SUSPENDED or w is None or w.trigger != "request" or \
+            w.generation != ws.metadata.generation:
+        return NEXT
+    note = f"woken by a request that reached it asleep routable (the agent's wake {w.id}); verifying it"
+    return await request_wake(ctx, s, note, event=("Normal", Reason.WOKEN_BY_REQUEST, note))
+
+
 async def reconcile_wake(ctx: Ctx, s: Scope, policy: Policy) -> Step:
     """The open wake's deadline and end (``phases.wake_outcome``); NEXT while it is not over."""
     rec = s.rec

@@ -75,13 +75,16 @@ class Ctx:
 
     async def apply_spec(self, ws: WorkerSnapshot, *, desired: DesiredState | None = None,
                          tier: P.Tier | None = None, engine_sleep_level: int | None = None,
-                         traceparent: str | None = None) -> Obj | None:
+                         routable: bool | None = None, traceparent: str | None = None) -> Obj | None:
         """A JSON merge patch of only these spec fields (the controller may have created it with POST,
         and a person may have edited the spec: an apply would fight them for fields); the object
         written (None: it is gone)."""
-        patch: Obj = {"spec": {"tier": (tier or ws.spec.tier).value,
-                               "desiredState": (desired or ws.spec.desired_state).value,
-                               "engineSleepLevel": engine_sleep_level or ws.spec.engine_sleep_level}}
+        want = desired or ws.spec.desired_state
+        # routable is a way to sleep: asked with Suspended (else as it was), and never left set on Active
+        keep = ws.spec.routable if want == DesiredState.SUSPENDED else False
+        patch: Obj = {"spec": {"tier": (tier or ws.spec.tier).value, "desiredState": want.value,
+                               "engineSleepLevel": engine_sleep_level or ws.spec.engine_sleep_level,
+                               "routable": routable if routable is not None else keep}}
         if traceparent:
             patch["metadata"] = {"annotations": {P.ANN_TRACEPARENT: traceparent}}
         try:

@@ -87,6 +87,8 @@ class EntrypointState(StrEnum):
     SUSPENDED = "suspended"  # processes alive, GPU state checkpointed; their exit is a crash
     SNAPSHOTTED = "snapshotted"  # the tree was dumped and is gone; the container stays up
     RESTORING = "restoring"  # the agent is restoring the tree in place
+    # asleep like suspended, but routable (wake on request): /health answers 200, the pod stays Ready
+    ROUTABLE = "routable"
 
 # --- WorkerSnapshot (dynsnap.io/v1alpha1; crds/workersnapshots.yaml is generated from
 # dynsnap/models/workersnapshot.py by `dynsnap crd`) ----------------------------------------------
@@ -181,6 +183,7 @@ class Reason(StrEnum):
     # Suspended
     SUSPENDED = "Suspended"
     SNAPSHOTTED = "Snapshotted"
+    ROUTABLE = "Routable"
     ACTIVE = "Active"
     # Degraded: refusals before any state change
     WORKER_SERVING = "WorkerServing"
@@ -218,6 +221,7 @@ class Reason(StrEnum):
     QUIESCED = "Quiesced"
     CAPTURE_REQUESTED = "CaptureRequested"
     WAKE_REQUESTED = "WakeRequested"
+    WOKEN_BY_REQUEST = "WokenByRequest"
     CAPTURE_REFUSED = "CaptureRefused"  # the agent refused the capture for a PERMANENT_REFUSALS reason
     CAPTURE_TIMED_OUT = "CaptureTimedOut"  # the capture asked for was not reported finished in time
     GRAPH_DELETED = "GraphDeleted"

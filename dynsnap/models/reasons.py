@@ -128,6 +128,13 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "The worker sleeps at tier snapshot: CRIU dumped its process tree to the node's image directory; "
         "the pod and its PID 1 stay.",
         "Nothing. It wakes on demand, or with `dynsnap wake POD`."),
+    Reason.ROUTABLE: ReasonDoc(
+        PROGRESS, "normal", "`Suspended=True` (agent); `dynsnap status` shows `routable` (wake on request)",
+        "The worker sleeps routable: tier suspend, its GPU memory freed, but still in serving (its pod Ready, its "
+        "endpoint ready, its DWM kept, the model listed). It is the last worker of a component with "
+        "`dynsnap.io/wake-on-request`; a request that reaches it waits in the worker and wakes it within about "
+        "`--routable-poll-interval` (the agent watches its in-flight gauge).",
+        "Nothing: its first request wakes it (that request is the slow one), then the controller verifies the wake."),
     Reason.ACTIVE: ReasonDoc(
         PROGRESS, "normal", "`Suspended=False`; Event (agent); Event (controller: a capture called off)",
         "The worker runs and holds its GPU memory. From the controller: the capture it had started was "
@@ -319,6 +326,13 @@ REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         POLICY, "normal", "Event on the pod (controller)",
         "Demand (or the manual override) wakes the worker: the controller set `spec.desiredState: Active`.",
         "Nothing; the wake is verified next."),
+    Reason.WOKEN_BY_REQUEST: ReasonDoc(
+        POLICY, "normal", "Event (agent: the wake done); Event on the pod (controller: the spec follows); "
+        "`status.lastWake.trigger: request`",
+        "A request reached a worker asleep routable and the agent woke it on its own (wake on request); the "
+        "controller then set `desiredState: Active` and verifies the wake with pinned requests as any wake's.",
+        "Nothing. A wake on request that fails stops the worker, so the requests it held end with an error "
+        "instead of waiting for ever; the controller records the failed wake and applies `on-failed-wake`."),
     Reason.CAPTURE_REFUSED: ReasonDoc(
         POLICY, "refusal",
         "Warning Event on the pod; `status.controller.refusal`; `dynsnap status` shows `capture refused` (controller)",

@@ -61,6 +61,11 @@ class WorkerSnapshotSpec(_Model):
     engine_sleep_level: Annotated[int, Field(ge=1, le=3, description=(
         "Tier engine: the level the engine sleeps at (vLLM: 1 weights to host memory and the KV cache "
         "dropped; 2 and 3 drop more). Engines whose route takes no level ignore it."))] = 1
+    routable: Annotated[bool, Field(description=(
+        "With desiredState Suspended, tier suspend: sleep routable (wake on request): the worker stays in "
+        "serving (its pod Ready, its endpoint and registration kept), GPU memory freed, and the first request "
+        "that reaches it wakes it. The controller sets it for the last worker of a component with "
+        "dynsnap.io/wake-on-request."))] = False
 
 
 class Condition(_Model):
@@ -121,6 +126,10 @@ class OperationRecord(_Model):
     image: ImageRef | None = None
     error: ErrorRecord | None = None
     trace_context: Annotated[str | None, Field(description="W3C traceparent of the trace this joins.")] = None
+    trigger: Annotated[Literal["request"] | None, Field(description=(
+        "A wake's: request when the agent woke a worker asleep routable because a request reached it "
+        "(wake on request), on its own; absent when the spec asked for it."))] = None
+    generation: Annotated[int, Field(ge=0)] | None = None  # the spec's generation the operation began under
 
 
 class IdleFacts(_Model):

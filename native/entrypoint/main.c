@@ -223,7 +223,7 @@ static int on_reaped(struct loop *l, bool *changed)
 		ep->worker_alive = false;
 		ep->worker_status = wstatus_code(ws);
 		*changed = true;
-		if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED) {
+		if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED || ep->state == ST_ROUTABLE) {
 			copy_log(ep, l->rfd, true);
 			ep_log("worker pid %d exited with status %d (state %s): exiting with it",
 			       (int)pid, ep->worker_status, ep_state_names[ep->state]);

@@ -178,11 +178,13 @@ static void request_done(struct conn *c, const struct ep *ep)
 		return;
 	}
 	if (ep->state != ST_ACTIVE) {
-		bool live = c->path[1] == 'l';
+		/* Asleep routable, the pod stays Ready: its worker's own health check would wait in a CUDA
+		 * call (the process is checkpointed), so the entrypoint answers for it. */
+		bool live = c->path[1] == 'l', ready = live || ep->state == ST_ROUTABLE;
 		char body[256];
 		snprintf(body, sizeof(body), "{\"status\":\"%s\",\"state\":\"%s\",\"source\":\"dynsnap-entrypoint\"}\n",
-			 live ? "live" : "notready", ep_state_names[ep->state]);
-		answer(c, ep, live ? 200 : 503, "application/json", body);
+			 live ? "live" : ready ? "ready" : "notready", ep_state_names[ep->state]);
+		answer(c, ep, ready ? 200 : 503, "application/json", body);
 		return;
 	}
 	worker_start(c, ep);

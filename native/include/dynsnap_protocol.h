@@ -38,6 +38,9 @@
 #define DYNSNAP_STATE_SUSPENDED "suspended"
 #define DYNSNAP_STATE_SNAPSHOTTED "snapshotted"
 #define DYNSNAP_STATE_RESTORING "restoring"
+/* Asleep like suspended, but routable: /health answers 200, so the pod stays Ready and its endpoint in
+ * serving; a request that reaches the worker waits in its own CUDA calls until the agent wakes it. */
+#define DYNSNAP_STATE_ROUTABLE "routable"
 
 /* Exit status when the agent sets `active` but no worker is running any more. */
 #define DYNSNAP_EXIT_NO_WORKER 75

@@ -124,3 +124,37 @@ def test_a_sleeping_worker_is_planned_without_the_drivers_answer(ep: EntrypointS
                                            ("checkpointed", "running")):
                                 got = plan(Facts(**base, gpu_states=states), want=want, tier=tier)  # type: ignore[arg-type]
                                 assert got == unasked, (base, want, tier, states)
+
+
+R = E.ROUTABLE
+ROUTABLE_ROWS = [
+    # (entrypoint, alive, gpu states, want) -> step, for a sleep that keeps the worker in serving
+    ((E.ACTIVE, True, ("running",), SUSP), Step.QUIESCE),  # straight to routable (no suspending)
+    ((E.ACTIVE, True, ("locked",), SUSP), Step.GPU_ROLLBACK),
+    ((R, True, ("running", "running"), SUSP), Step.SAVE),
+    ((R, True, ("checkpointed",), SUSP), Step.NONE),
+    ((R, True, (), SUSP), Step.NONE),  # no GPU process: nothing to save
+    ((R, True, ("locked", "running"), SUSP), Step.GPU_ROLLBACK),  # an interrupted save
+    ((R, True, ("checkpointed",), ACT), Step.RESUME),  # the wake, where it sleeps (no restoring)
+    ((R, True, ("locked",), ACT), Step.UNLOCK),
+    ((R, True, ("running",), ACT), Step.SETTLE_ACTIVE),
+    ((R, False, (), ACT), Step.GIVE_UP),
+    ((R, False, (), SUSP), Step.GIVE_UP),
+]
+
+
+@pytest.mark.parametrize(("row", "expected"), ROUTABLE_ROWS,
+                         ids=[f"{r[0].value}-{r[3].value}-{e.value}-{i}" for i, (r, e) in enumerate(ROUTABLE_ROWS)])
+def test_plan_routable(row: tuple, expected: Step) -> None:  # type: ignore[type-arg]
+    ep, alive, gpu, want = row
+    assert plan(Facts(ep_state=ep, worker_alive=alive, gpu_states=gpu), want=want, tier=TIER1,
+                routable=True) == expected
+
+
+@pytest.mark.parametrize(("gpu", "state"), [
+    (("checkpointed",), ObservedState.SUSPENDED), ((), ObservedState.SUSPENDED),
+    (("running",), ObservedState.ACTIVE), (("locked", "running"), ObservedState.CAPTURING),
+])
+def test_a_routable_worker_is_asleep_once_every_gpu_process_is_checkpointed(gpu: tuple[str, ...],
+                                                                           state: ObservedState) -> None:
+    assert observed(Facts(ep_state=E.ROUTABLE, worker_alive=True, gpu_states=gpu)) == state

@@ -213,3 +213,38 @@ def test_a_worker_whose_capture_was_refused_for_good_serves_and_is_never_chosen_
                NOW)
     assert got["a"].want == Want.AWAKE and got["a"].refused and got["a"].reason == Reason.CAPTURE_REFUSED
     assert got["a"].why.startswith("manual override suspended refused: capture refused")
+
+
+WOR = Policy(enabled=True, idle_after=300.0, min_active=0, wake_on_request=True, wake_at_inflight=4.0)
+
+
+@pytest.mark.parametrize(("workers", "routable", "normal"), [
+    # the last awake worker, idle, the others asleep: it sleeps routable
+    ([w("a", S), w("b", A)], {"a"}, set()),
+    ([w("a", S)], {"a"}, set()),
+    # two idle and awake: the least wanted sleeps as any sleeper (quiesced), the other stays for now
+    ([w("a", S, idle=IDLE), w("b", S, idle=IDLE + 10)], set(), {"b"}),
+    # another still quiescing: the last one waits (no routable sleeper beside a capture under way)
+    ([w("a", S), w("b", Q)], set(), set()),
+    # another waking (not yet serving): it stays, lest the component have none serving meanwhile
+    ([w("a", S), w("b", WK)], set(), set()),
+])
+def test_with_wake_on_request_only_the_last_worker_sleeps_routable(workers: list[WorkerView], routable: set[str],
+                                                                   normal: set[str]) -> None:
+    out = plan(workers, WOR, NO_DEMAND, NOW)
+    got_routable = {n for n, d in out.items() if d.want == Want.ASLEEP and d.routable}
+    got_normal = {n for n, d in out.items() if d.want == Want.ASLEEP and not d.routable
+                  and n in {x.name for x in workers if x.phase in (S, ST)}}
+    assert got_routable == routable and got_normal == normal, out
+
+
+def test_without_wake_on_request_no_worker_sleeps_routable() -> None:
+    out = plan([w("a", S), w("b", S, idle=IDLE + 10)], POLICY, NO_DEMAND, NOW)
+    assert not any(d.routable for d in out.values())
+
+
+def test_demand_wakes_the_routable_sleeper_first() -> None:
+    out = plan([replace(w("a", A, captured_ago=10), routable=False), replace(w("b", A, captured_ago=100),
+                                                                             routable=True)],
+               WOR, Demand(1), NOW)
+    assert out["b"].want == Want.AWAKE and out["a"].want == Want.ASLEEP

@@ -70,9 +70,9 @@ def test_round_trip_and_defaults() -> None:
     ws = WorkerSnapshot.model_validate({"metadata": {"name": "w-0", "namespace": "d", "resourceVersion": "7"},
                                         "spec": {"podName": "w-0", "podUID": UID, "tier": "snapshot"}})
     assert ws.spec.container == "main" and ws.spec.desired_state.value == "Active"
-    assert ws.spec.engine_sleep_level == 1
+    assert ws.spec.engine_sleep_level == 1 and ws.spec.routable is False
     assert ws.spec.wire() == {"podName": "w-0", "podUID": UID, "container": "main", "tier": "snapshot",
-                              "desiredState": "Active", "engineSleepLevel": 1}
+                              "desiredState": "Active", "engineSleepLevel": 1, "routable": False}
 
 
 def test_condition_transition_time_moves_only_when_status_flips() -> None:

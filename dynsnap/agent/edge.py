@@ -1,0 +1,99 @@
+"""Wake on request, at the edge: the agent watches each worker of its node that sleeps routable
+(tier suspend, ``spec.routable``: its pod still Ready, its endpoint and registration kept) for a
+request that reached it, and has it woken at once.
+
+The signal is the worker's own in-flight gauge on its Dynamo system port
+(``dynamo_component_inflight_requests``, the same page the idle facts come from): a suspended
+worker's CPU side keeps answering it while the request itself waits in the worker's CUDA calls
+(DESIGN.md section 2: 1-2 ms answers, the gauge at 1 from the first second, on the H200). It is read
+every ``routable_poll_interval`` (50 ms), so a request is seen within about that, not at the idle
+scrape's 10 s. What is seen goes to the reconcile (``on_request``): the wake is the agent's own
+(``trigger: request`` in its record), and the controller is told by the status, not asked.
+
+Only routable sleepers are polled, one GET each per interval, at most ``MAX_AT_ONCE`` at a time;
+a worker that does not answer is asked again at the next interval (it wakes nothing).
+
+Layer: ``dynsnap.agent`` (I/O: HTTP to the workers' own system ports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from dynsnap.models import protocol as P
+from dynsnap.models.protocol import DesiredState, ObservedState
+from dynsnap.telemetry.promtext import samples, total
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+MAX_AT_ONCE = 32  # GETs in flight at once: a node has a few routable sleepers, never thousands
+INFLIGHT = "dynamo_component_inflight_requests"
+
+
+@dataclass(frozen=True)
+class Sleeper:
+    key: str  # namespace/name of its WorkerSnapshot
+    url: str  # its /metrics
+
+
+def routable_sleepers(snapshots: Iterable[Obj], pod_ip: Callable[[str, str], str | None], *, port: int
+                      ) -> list[Sleeper]:
+    """The WorkerSnapshots of workers asleep routable, with where their metrics are (pure)."""
+    out = []
+    for ws in snapshots:
+        spec, st = ws.get("spec") or {}, ws.get("status") or {}
+        if not spec.get("routable") or spec.get("desiredState") != DesiredState.SUSPENDED.value:
+            continue
+        if st.get("state") != ObservedState.SUSPENDED.value:
+            continue
+        sus: Obj = next((c for c in st.get("conditions") or [] if c.get("type") == P.ConditionType.SUSPENDED.value),
+                        {})
+        if sus.get("reason") != P.Reason.ROUTABLE.value:
+            continue
+        meta = ws["metadata"]
+        ip = pod_ip(meta["namespace"], spec.get("podName") or meta["name"])
+        if ip:
+            out.append(Sleeper(f"{meta['namespace']}/{meta['name']}", f"http://{ip}:{port}/metrics"))
+    return out
+
+
+async def inflight(http: httpx.AsyncClient, url: str) -> float | None:
+    """The worker's in-flight requests, summed over its series; None when it did not answer."""
+    try:
+        r = await http.get(url)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return total(samples(r.text, [INFLIGHT]), INFLIGHT)
+
+
+async def watch(sleepers: Callable[[], list[Sleeper]], on_request: Callable[[str], None], *, interval: float,
+                stop: asyncio.Event, timeout: float = 1.0) -> None:
+    """Until ``stop``: every ``interval`` seconds, each routable sleeper's in-flight gauge; one above 0
+    is passed to ``on_request`` (once per sleep: the reconcile wakes it and it leaves the list)."""
+    seen: set[str] = set()
+    limit = asyncio.Semaphore(MAX_AT_ONCE)
+
+    async def one(http: httpx.AsyncClient, s: Sleeper) -> None:
+        async with limit:
+            n = await inflight(http, s.url)
+        if n and n > 0 and s.key not in seen:
+            seen.add(s.key)
+            log.info("%s: %g request(s) reached it asleep routable: waking it", s.key, n)
+            on_request(s.key)
+
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+        while not stop.is_set():
+            now = sleepers()
+            seen.intersection_update({s.key for s in now})  # one that woke (or went) is watched afresh next time
+            await asyncio.gather(*(one(http, s) for s in now if s.key not in seen))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
