@@ -41,6 +41,8 @@ CONTROL = "dynsnap/agent/entrypoint_control.py"
 WORKER = "dynsnap/agent/worker.py"
 WORKERENV = "dynsnap/models/workerenv.py"
 COMMAND = "dynsnap/runtime/command.py"
+NODE = "dynsnap/agent/node.py"
+EDGE = "dynsnap/agent/edge.py"
 
 FAULTS = "tests/integration/test_agent_faults.py::"
 REFUSALS = "tests/integration/test_agent_refusals.py::"
@@ -67,6 +69,9 @@ ENGINE = "tests/integration/test_engine_tier.py::"
 ENGINE_NO_ROUTES = ENGINE + "test_a_worker_without_engine_routes_is_refused_and_auto_sleeps_it_with_suspend"
 ENGINE_FAULT = ENGINE + "test_a_route_that_fails_or_hangs_is_named_bounded_and_the_worker_serves"
 PLAN_UNIT = "tests/unit/test_agent_plan.py"
+WOR = "tests/integration/test_wake_on_request.py::"
+WOR_TWO = WOR + "test_two_requests_at_once_wake_one_worker_not_two"
+WOR_FAILED = WOR + "test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_fallback"
 # issue 18: the trust boundary with a container, and the helper registry
 U_CONTAINER = "tests/unit/test_agent_container.py::"
 U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
@@ -318,6 +323,25 @@ MUTATIONS = (
         "            reaped = on_spawn(proc.pid)\n",
         "            with contextlib.suppress(Exception):\n                reaped = on_spawn(proc.pid)\n",
         tests=[U_HELPERS + "test_a_helper_that_cannot_be_recorded_does_not_run_on"]),
+    # -- issue 20: wake on request --------------------------------------------------------------------
+    mutation(
+        "edge-ignores-requests", "a request that reaches a worker asleep routable is not seen by the agent",
+        EDGE,
+        "        if n and n > 0 and s.key not in seen:\n",
+        "        if False:\n",
+        tests=[WOR_TWO]),
+    mutation(
+        "request-wake-trigger-unrecorded", "the agent's wake for a request is not recorded as one (trigger)",
+        NODE,
+        "                status.last_wake.trigger = \"request\"\n",
+        "                pass\n",
+        tests=[WOR_TWO]),
+    mutation(
+        "failed-request-wake-holds-requests", "a wake on request that fails leaves the worker holding its "
+        "requests (not stopped)", NODE,
+        "            why = await self.executor.stop_worker(obs)\n",
+        "            why = \"not stopped\"\n",
+        tests=[WOR_FAILED]),
 )
 
 SUITE = Suite(

@@ -114,7 +114,11 @@ def _wakes(out: dict[str, Decision], *, awake: list[WorkerView], quiescing: list
     """The deficit of awake workers made up: quiesces called off first (cheapest), then sleepers woken."""
     active_override = DesiredState.ACTIVE.value
     suspended_override = DesiredState.SUSPENDED.value
-    deficit = need - len(awake)
+    # A routable sleeper is its agent's to wake: the requests that make this demand reach it (it is
+    # still in serving) and its agent wakes it within a poll (dynsnap/agent/edge.py). Counted as waking,
+    # so the controller wakes no other worker for the same request, nor this one a second time.
+    held = [w for w in asleep if w.routable and w.override is None]
+    deficit = need - len(awake) - (len(held) if demand is not None and demand.total > 0 else 0)
     for w in quiescing:
         if w.override == active_override:
             out[w.name] = Decision(Want.AWAKE, "manual override: active")
@@ -126,6 +130,8 @@ def _wakes(out: dict[str, Decision], *, awake: list[WorkerView], quiescing: list
         if w.override == active_override:
             out[w.name] = Decision(Want.AWAKE, "manual override: active")
             deficit -= 1
+        elif w in held and demand is not None and demand.total > 0:
+            out[w.name] = Decision(Want.ASLEEP, "asleep routable: the requests that reach it wake it at its agent")
         elif deficit > 0 and w.override != suspended_override:
             why = (f"demand {demand.total:g} (in flight + queued) needs {need} awake at "
                    f"{policy.wake_at_inflight:g} per worker; {need - deficit} awake or waking"
@@ -164,9 +170,8 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
 
     awake = sorted((w for w in live if w.phase in AWAKE_PHASES), key=stay_rank)
     quiescing = sorted((w for w in live if w.phase == Phase.QUIESCING), key=stay_rank)
-    # A routable sleeper is woken first: it is resident, and the request that wakes it may already wait in it.
     asleep = sorted((w for w in live if w.phase in ASLEEP_PHASES),
-                    key=lambda w: (0 if w.override == active_override else 1, 0 if w.routable else 1,
+                    key=lambda w: (0 if w.override == active_override else 1,
                                    -(w.last_capture.timestamp() if w.last_capture else 0.0), w.name))
     ready = sum(1 for w in awake if w.phase == Phase.SERVING)
 

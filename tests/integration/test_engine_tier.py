@@ -168,12 +168,20 @@ async def test_a_route_that_fails_or_hangs_is_named_bounded_and_the_worker_serve
         assert ws is not None
         err = ws["status"]["lastError"]
         assert err["step"] == "engine-sleep" and says in err["message"], err
-        faults.write_text("")  # the engine works again: its next sleep succeeds
+        # Held awake from here (the user's `dynsnap wake`), so the controller's next try cannot put it to
+        # sleep before the request below: what it proves is the rollback, so no wake may come between.
+        await env.api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "active"}}},
+                                  namespace=pod.namespace)
         # Rolled back (the wake route undoes a half sleep) and in serving again: a request pinned to it.
         wid = (await _identity(env, pod))[2]
         await env.fe.wait_routable(wid, timeout=120)
         r = await env.fe.chat("after the fault", worker_id=wid)
         assert r.status == 200 and r.worker_id == wid, r.body
+        after = await get_ws(env.api, pod)
+        assert after is not None
+        assert after["status"]["lastCapture"]["id"] == ws["status"]["lastCapture"]["id"], "no capture since"
+        assert (after["status"].get("lastWake") or {}).get("id") == (ws["status"].get("lastWake") or {}).get("id"), \
+            "served by the rollback, not by a wake"
 
 
 async def test_a_worker_without_engine_routes_is_refused_and_auto_sleeps_it_with_suspend(cluster: LocalCluster) -> None:

@@ -27,7 +27,7 @@ import signal
 import time
 
 import pytest
-from controllerenv import CtlEnv, asleep, get_ws, policy, running, verified_after, wait_ws
+from controllerenv import CtlEnv, asleep, events_for, get_ws, policy, running, verified_after, wait_ws
 from helperprocs import helpers_of
 
 from dynsnap.k8s.client import Obj
@@ -204,14 +204,14 @@ async def test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_f
         print(f"\nthe waiting request ended {time.monotonic() - t0:.1f} s after the helper was killed")
         env.driver.clear_faults()
 
-        def failed(ws: Obj | None) -> bool:
-            v = (((ws or {}).get("status") or {}).get("controller") or {}).get("verification") or {}
-            return v.get("ok") is False or ws is None
-        ws = await get_ws(env.api, last)
-        if ws is not None and ws["spec"]["podUID"] == uid:
-            ws = await wait_ws(env, last, "the failed wake recorded", failed, timeout=120)
-            v = ws["status"]["controller"]["verification"]
-            assert v["ok"] is False and v["fallback"] == "ColdRestart", v
+        # The failed wake, told on the pod (its WorkerSnapshot may be gone with it by now: the fallback
+        # is quick): a Warning for the lost worker, "wake not verified; fallback: ColdRestart", with why.
+        async def told() -> Obj | None:
+            evs = await events_for(env.api, last.namespace, last.name)
+            return next((e for e in evs if e.get("type") == "Warning" and e.get("reason") == "WorkerLost"
+                         and "wake not verified; fallback: ColdRestart" in (e.get("note") or "")), None)
+        ev = await wait_for("the failed wake told on the pod", told, timeout=120, interval=0.5)
+        assert "wake on request failed" in ev["note"], ev["note"]
         # The fallback (restart): the pod deleted, with its UID as precondition, for the operator to
         # recreate cold (the local operator stand-in recreates pods only when a test asks it to).
         async def deleted() -> bool:
@@ -254,7 +254,8 @@ async def test_two_requests_at_once_wake_one_worker_not_two(cluster: LocalCluste
         answers = await asyncio.gather(env.fe.chat(PROMPT), env.fe.chat(PROMPT))
         assert all(a.status == 200 and a.text == reference for a in answers), [a.body for a in answers]
         assert {a.worker_id for a in answers} == {await _iid(env, last)}
-        await wait_ws(env, last, "its wake verified", verified_after(None), timeout=120)
+        woke = await wait_ws(env, last, "its wake verified", verified_after(None), timeout=120)
+        assert woke["status"]["lastWake"]["trigger"] == "request", woke["status"]["lastWake"]
         ws = await get_ws(env.api, other)
         assert ws is not None and asleep(ws), "the second worker woke: demand 2 needs one at 4 per worker"
         assert ws["status"].get("lastWake", {}).get("id") == other_wake

@@ -64,6 +64,9 @@ CAPTURE_DEADLINE_UNIT = PHASES_UNIT + "test_a_capture_ends_once_by_what_the_agen
 WAKE_DEADLINE_UNIT = PHASES_UNIT + "test_a_wake_fails_when_lost_or_not_active_and_verified_by_its_deadline"
 REFUSAL_HOLDS_UNIT = PHASES_UNIT + "test_a_refusal_holds_until_the_pod_the_spec_or_the_policy_changes"
 ROUTING_UNIT = "tests/unit/test_controller_routing.py::"
+WOR_LAST_UNIT = PLAN_UNIT + "test_with_wake_on_request_only_the_last_worker_sleeps_routable"
+WOR_HELD_UNIT = PLAN_UNIT + "test_a_routable_sleeper_is_its_agents_to_wake_and_counts_as_waking"
+WOR_TWO = "tests/integration/test_wake_on_request.py::test_two_requests_at_once_wake_one_worker_not_two"
 REFUSED_FOR_GOOD = ("tests/integration/test_controller_refusals.py::"
                     "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again")
 WAKE_FAILS = ("tests/integration/test_controller_wake_deadline.py::"
@@ -294,6 +297,25 @@ MUTATIONS = (
         "P.CONTROLLER_CONDITIONS]\n",
         "    wire[\"conditions\"] = list(wire.get(\"conditions\", []))\n",
         tests=[DISAGG]),
+    # -- issue 20: wake on request --------------------------------------------------------------------
+    mutation(
+        "every-sleeper-routable", "under wake on request every sleeper sleeps routable, not only the last",
+        PLAN,
+        "    return policy.wake_on_request and not quiescing and [x.name for x in awake] == [w.name]\n",
+        "    return policy.wake_on_request\n",
+        tests=[WOR_LAST_UNIT], modules=["dynsnap.controller.plan"]),
+    mutation(
+        "routable-sleeper-not-counted", "a routable sleeper holding the demand is not counted as waking: the "
+        "controller wakes it (and others) itself", PLAN,
+        "    held = [w for w in asleep if w.routable and w.override is None]\n",
+        "    held: list[WorkerView] = []\n",
+        tests=[WOR_HELD_UNIT], modules=["dynsnap.controller.plan"]),
+    mutation(
+        "request-wake-unverified", "the agent's wake for a request is not taken up by the controller (never "
+        "verified)", WAKE,
+        "    if ws.spec.desired_state != DesiredState.SUSPENDED or w is None or w.trigger != \"request\" or \\\n",
+        "    if True or w is None or w.trigger != \"request\" or \\\n",
+        tests=[WOR_TWO]),
 )
 
 SUITE = Suite(

@@ -39,6 +39,8 @@ PROBES = E + "test_probes_mirror_the_worker_while_active_and_answer_for_it_other
 SNAPSHOTTED_EXIT = E + "test_worker_tree_exiting_while_snapshotted_keeps_the_container_up"
 NO_WORKER_SIGTERM = E + "test_sigterm_with_no_worker_stops_cleanly"
 SUSPENDED_EXIT = E + "test_worker_exiting_while_active_or_suspended_ends_the_container"
+ROUTABLE_EXIT = E + "test_worker_exiting_while_routable_ends_the_container"
+ROUTABLE_READY = E + "test_asleep_routable_the_entrypoint_answers_ready_for_the_worker"
 RESTORED = E + "test_a_tree_restored_in_place_is_adopted_and_reaped"
 CRIU = E + "test_criu_dumps_the_worker_tree_and_restores_it_under_the_same_pid1"
 IO_URING = E + "test_io_uring_is_refused_with_enosys_unless_turned_off"
@@ -119,14 +121,24 @@ MUTATIONS = (
         tests=[SIGTERM]),
     mutation(
         "exit-with-worker-in-any-state", "exit with the worker whatever the state", MAIN,
-        "if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED) {",
+        "if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED || ep->state == ST_ROUTABLE) {",
         "if (l->stopping || 1) {",
         tests=[SNAPSHOTTED_EXIT, NO_WORKER_SIGTERM, RESTORED, CRIU]),
     mutation(
         "ignore-exit-while-suspended", "ignore a tree exit while `suspended`", MAIN,
-        "if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED) {",
-        "if (l->stopping || ep->state == ST_ACTIVE) {",
+        "if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED || ep->state == ST_ROUTABLE) {",
+        "if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_ROUTABLE) {",
         tests=[SUSPENDED_EXIT]),
+    mutation(
+        "ignore-exit-while-routable", "ignore a tree exit while `routable`", MAIN,
+        "if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED || ep->state == ST_ROUTABLE) {",
+        "if (l->stopping || ep->state == ST_ACTIVE || ep->state == ST_SUSPENDED) {",
+        tests=[ROUTABLE_EXIT]),
+    mutation(
+        "routable-not-ready", "`/health` answers 503 while `routable` (the pod leaves serving)", PROBE,
+        "ready = live || ep->state == ST_ROUTABLE;",
+        "ready = live;",
+        tests=[ROUTABLE_READY]),
     mutation(
         "restored-tree-not-adopted", "restored tree not adopted (not seen as our child)", MAIN,
         "if (!ep->worker_alive && is_our_child(ep->worker_pid)) {",

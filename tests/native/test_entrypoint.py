@@ -162,6 +162,32 @@ def test_probes_mirror_the_worker_while_active_and_answer_for_it_otherwise(
     wait_for(lambda: 'served "GET /health HTTP/1.0" 503' in sb.out(), "the worker's log on stdout")
 
 
+def test_asleep_routable_the_entrypoint_answers_ready_for_the_worker(sandbox: Callable[..., Sandbox]) -> None:
+    """State routable (wake on request): the pod must stay Ready, its endpoint listed, while the worker's
+    own /health would wait in a CUDA call; the entrypoint answers 200 itself, never asking the worker."""
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    sb.set_worker("health", 503)  # what the worker would say: not asked while routable
+    assert sb.request("routable")["state"] == "routable"
+    code, body, headers = sb.get("/health")
+    assert (code, json.loads(body)["source"], json.loads(body)["state"], headers["x-dynsnap-state"]) == (
+        200, "dynsnap-entrypoint", "routable", "routable")
+    assert sb.status("/live") == 200
+    assert sb.request("active")["state"] == "active"
+    assert sb.status("/health") == 503  # the worker's own answer again
+
+
+def test_worker_exiting_while_routable_ends_the_container(sandbox: Callable[..., Sandbox]) -> None:
+    """Asleep routable the process lives on (tier suspend) and still holds requests: its death is a
+    crash, and the container ends with it so that the kubelet restarts it."""
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    worker = sb.worker_host_pid()
+    sb.request("routable")
+    os.killpg(worker, signal.SIGKILL)
+    assert sb.wait() == 128 + signal.SIGKILL
+
+
 def test_probes_report_an_unreachable_worker_while_active(sandbox: Callable[..., Sandbox]) -> None:
     sb = sandbox(["serve"], opts=["--system-port", str(free_port())])  # nothing listens there
     wait_for(lambda: "helper running" in sb.out(), "the worker")

@@ -243,8 +243,19 @@ def test_without_wake_on_request_no_worker_sleeps_routable() -> None:
     assert not any(d.routable for d in out.values())
 
 
-def test_demand_wakes_the_routable_sleeper_first() -> None:
-    out = plan([replace(w("a", A, captured_ago=10), routable=False), replace(w("b", A, captured_ago=100),
-                                                                             routable=True)],
-               WOR, Demand(1), NOW)
-    assert out["b"].want == Want.AWAKE and out["a"].want == Want.ASLEEP
+@pytest.mark.parametrize(("demand", "woken"), [
+    # the one request is in the routable sleeper: its agent wakes it; the controller wakes nothing
+    (Demand(1), set()),
+    # more than it can take (4 per worker): the others are woken for the rest, the routable one still its agent's
+    (Demand(9), {"a", "c"}),
+])
+def test_a_routable_sleeper_is_its_agents_to_wake_and_counts_as_waking(demand: Demand, woken: set[str]) -> None:
+    out = plan([replace(w("a", A, captured_ago=10)), replace(w("b", A, captured_ago=100), routable=True),
+                replace(w("c", A, captured_ago=50))], WOR, demand, NOW)
+    assert {n for n, d in out.items() if d.want == Want.AWAKE} == woken, out
+    assert out["b"].want == Want.ASLEEP and "wake it at its agent" in out["b"].why
+
+
+def test_a_routable_sleeper_overridden_active_is_woken_by_the_controller() -> None:
+    out = plan([replace(w("b", A), routable=True, override=DesiredState.ACTIVE.value)], WOR, Demand(0), NOW)
+    assert out["b"].want == Want.AWAKE

@@ -1,4 +1,4 @@
-"""What `dynsnap demo` takes as the proof that a sleeper came back (dynsnap/demo.py ``_proof_of_wake``):
+"""What `dynsnap demo` takes as the proof that a sleeper came back (dynsnap/demo_story.py ``proof_of_wake``):
 the controller's passed verification of its last wake, or of a recall that started after that wake
 (a quiesce called off: the controller proves the return again and that record replaces the wake's,
 which a demo run in CI met on 2026-12-01 and waited out). Never a failed one, nor one from before."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dynsnap.demo import _proof_of_wake
+from dynsnap.demo_story import proof_of_wake as _proof_of_wake
 
 WAKE = {"id": "w1764571502000", "started": "2026-12-01T06:45:02Z", "finished": "2026-12-01T06:45:02.300000Z"}
 

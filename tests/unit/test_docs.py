@@ -19,7 +19,8 @@ from dynsnap.models.reasons import REASON_DOCS, SECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 # The product code that reports reasons (the declarations and their docs are not reports).
-NOT_REPORTERS = {"models/protocol.py", "models/reasons.py", "docs.py"}
+NOT_REPORTERS = {"models/protocol.py", "models/reasons.py", "models/reasons_agent.py", "models/reasons_controller.py",
+                 "models/reasondoc.py", "docs.py"}
 
 
 def _reported() -> set[str]:
