@@ -205,13 +205,23 @@ async def test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_f
         env.driver.clear_faults()
 
         # The failed wake, told on the pod (its WorkerSnapshot may be gone with it by now: the fallback
-        # is quick): a Warning for the lost worker, "wake not verified; fallback: ColdRestart", with why.
+        # is quick): the controller's Warning WakeFailed, "wake not verified; fallback: ColdRestart", with
+        # the agent's why (WorkerLost).
+        warnings: list[tuple[str, str]] = []
+
         async def told() -> Obj | None:
             evs = await events_for(env.api, last.namespace, last.name)
-            return next((e for e in evs if e.get("type") == "Warning" and e.get("reason") == "WorkerLost"
+            warnings[:] = [(e.get("reason", ""), (e.get("note") or "")[:300]) for e in evs if e.get("type") == "Warning"]
+            return next((e for e in evs if e.get("type") == "Warning" and e.get("reason") == "WakeFailed"
                          and "wake not verified; fallback: ColdRestart" in (e.get("note") or "")), None)
-        ev = await wait_for("the failed wake told on the pod", told, timeout=120, interval=0.5)
-        assert "wake on request failed" in ev["note"], ev["note"]
+        try:
+            ev = await wait_for("the failed wake told on the pod", told, timeout=120, interval=0.5)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; the pod's Warnings: {warnings}") from e
+        assert "WorkerLost: wake on request failed" in ev["note"], ev["note"]
+        # The agent said it first, under its own reason: the worker it stopped, and why.
+        lost = [n for r, n in warnings if r == "WorkerLost"]
+        assert lost and "wake on request failed" in lost[0] and "stopped (SIGKILL)" in lost[0], warnings
         # The fallback (restart): the pod deleted, with its UID as precondition, for the operator to
         # recreate cold (the local operator stand-in recreates pods only when a test asks it to).
         async def deleted() -> bool:
