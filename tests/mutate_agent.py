@@ -72,6 +72,10 @@ PLAN_UNIT = "tests/unit/test_agent_plan.py"
 WOR = "tests/integration/test_wake_on_request.py::"
 WOR_TWO = WOR + "test_two_requests_at_once_wake_one_worker_not_two"
 WOR_FAILED = WOR + "test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_fallback"
+# issue 19: the worker found under either cgroup driver, in the container the runtime reports
+PROCFS = "dynsnap/runtime/procfs.py"
+U_FIND = "tests/unit/test_agent_find_worker.py::"
+U_PROCFS = "tests/unit/test_procfs.py::"
 # issue 18: the trust boundary with a container, and the helper registry
 U_CONTAINER = "tests/unit/test_agent_container.py::"
 U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
@@ -278,6 +282,20 @@ MUTATIONS = (
         "    if raw.get(\"KUBERNETES_SERVICE_HOST\") and env.service_port is not None:\n"
         "        out.append((raw[\"KUBERNETES_SERVICE_HOST\"], env.service_port))\n",
         tests=[U_CONTAINER + "test_only_ip_addresses_and_ports_reach_the_connection_reset"]),
+    # -- issue 19: which process is the worker -----------------------------------------------------
+    mutation(
+        "reported-container-guessed", "a container the pod's status names with no process here falls back to "
+        "any container running the entrypoint", WORKER,
+        "    if not found:\n        raise WorkerNotFound(",
+        "    if not found:\n        return inits\n        raise WorkerNotFound(",
+        tests=[U_FIND + "test_a_reported_container_with_no_process_here_is_not_found_not_guessed"]),
+    mutation(
+        "container-id-any-component", "a container id is read from any 64-hex component with a runtime's prefix "
+        "(conmon's scope, a sub-cgroup), not only the one right below the pod's", PROCFS,
+        "        c = _CONTAINER_DIR.match(below[0]) if len(below) == 1 else None\n",
+        "        c = _CONTAINER_DIR.match(below[0].replace(\"crio-conmon-\", \"crio-\")) if below else None\n",
+        tests=[U_FIND + "test_crio_conmon_beside_the_container_is_not_taken_for_it",
+               U_PROCFS + "test_a_cgroup_path_names_its_pod_and_container_under_either_driver"]),
     # -- issue 18: the agent's helpers -------------------------------------------------------------
     mutation(
         "helper-start-time-unchecked", "a recorded helper is matched by pid and executable, not its start time",

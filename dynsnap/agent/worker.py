@@ -113,9 +113,7 @@ def find_entrypoint(uid: PodUID, *, container_id: str | None = None, proc: Path 
     inits = [p for p in members if (st := procfs.status(p, proc)) is not None and st.ns_pid == 1
              and len(st.nspid) > 1]
     if container_id:
-        cid = container_id.split("://", 1)[-1]
-        narrowed = [p for p in inits if any(cid in c for c in procfs.cgroup_paths(p, proc))]
-        inits = narrowed or inits
+        inits = _in_container(inits, container_id, proc)
     ours = [p for p in inits if procfs.exe_name(p, proc) == ENTRYPOINT_EXE]
     if len(ours) == 1:
         return ours[0]
@@ -124,6 +122,22 @@ def find_entrypoint(uid: PodUID, *, container_id: str | None = None, proc: Path 
         raise NotUnderEntrypoint(f"pod {uid}: no container runs {ENTRYPOINT_EXE} as its PID 1 "
                                  f"(container init processes here: {', '.join(names) or 'none'})")
     raise NotUnderEntrypoint(f"pod {uid}: {len(ours)} containers run {ENTRYPOINT_EXE}; name the container")
+
+
+def _in_container(inits: list[HostPid], container_id: str, proc: Path) -> list[HostPid]:
+    """The init processes in the container the runtime reports (``containerd://<id>``, ``cri-o://<id>``,
+    ``docker://<id>``), matched by the id their cgroup path names, whole (procfs.parse_pod_cgroup).
+    Where no init's cgroup names a container at all (a layout neither driver makes), all of them stay:
+    the entrypoint's own check decides then."""
+    cid = container_id.split("://", 1)[-1]
+    named = {p: procfs.container_ids(p, proc) for p in inits}
+    if not any(named.values()):
+        return inits
+    found = [p for p in inits if cid in named[p]]
+    if not found:
+        raise WorkerNotFound(f"no process runs in container {cid[:12]} (the pod's status names it; "
+                             f"its cgroups name {', '.join(sorted(c[:12] for ids in named.values() for c in ids))})")
+    return found
 
 
 def control_dir_of(entrypoint: HostPid, proc: Path = PROC) -> str:

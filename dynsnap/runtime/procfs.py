@@ -23,9 +23,16 @@ from dynsnap.models.ids import HostPid, NsPid, PodUID
 
 PROC = Path("/proc")
 
-# kubelet names a pod's cgroup after its UID: cgroupfs driver ".../pod<uid>/<container>",
-# systemd driver ".../kubepods-besteffort-pod<uid with _ for ->.slice/cri-containerd-<id>.scope".
-_POD_CGROUP = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+# kubelet names a pod's cgroup after its UID, and the runtime names the container's under it after
+# the container id. The two drivers kubelet has (docs/install.md, "Before you install"):
+#   cgroupfs  .../kubepods[/burstable|/besteffort]/pod<uid>/<id>            (containerd, docker)
+#             .../kubepods[/burstable|/besteffort]/pod<uid>/crio-<id>       (CRI-O)
+#   systemd   .../kubepods[-<qos>].slice/kubepods[-<qos>]-pod<uid, _ for ->.slice/<prefix>-<id>.scope
+#             with <prefix> cri-containerd (containerd), crio (CRI-O) or docker.
+# CRI-O's conmon runs beside the container in crio-conmon-<id>.scope: that is no container of the pod.
+_UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+_POD_DIR = re.compile(rf"^(?:pod|kubepods(?:-(?:burstable|besteffort))?-pod)({_UID})(?:\.slice)?$")
+_CONTAINER_DIR = re.compile(r"^(?:(cri-containerd|crio|docker)-)?([0-9a-f]{64})(\.scope)?$")
 
 
 @dataclass(frozen=True)
@@ -74,16 +81,54 @@ def status(pid: int, proc: Path = PROC) -> ProcStatus | None:
 
 def pod_uid_of(pid: int, proc: Path = PROC) -> PodUID | None:
     """The pod UID in the process's cgroup path, normalised to dashes; None outside any pod."""
-    text = _read(proc / str(pid) / "cgroup")
-    if not text:
-        return None
-    m = _POD_CGROUP.search(text)
-    return PodUID(m.group(1).replace("_", "-")) if m else None
+    for path in cgroup_paths(pid, proc):
+        pc = parse_pod_cgroup(path)
+        if pc is not None:
+            return pc.pod_uid
+    return None
 
 
 def cgroup_paths(pid: int, proc: Path = PROC) -> list[str]:
     text = _read(proc / str(pid) / "cgroup") or ""
     return [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2]
+
+
+@dataclass(frozen=True)
+class PodCgroup:
+    """A cgroup path of kubelet's, read by its components: the pod it is under and, when the path
+    goes on to a container's own cgroup, that container's id (as the runtime reports it in the pod's
+    ``containerStatuses``, without the ``containerd://`` / ``cri-o://`` scheme)."""
+
+    pod_uid: PodUID
+    container_id: str | None
+
+
+def parse_pod_cgroup(path: str) -> PodCgroup | None:
+    """The pod (and container) a cgroup path names, under either cgroup driver (pure); None for a
+    path outside any pod. Component by component: the pod's directory is the one named
+    ``pod<uid>`` (cgroupfs) or ``kubepods[-<qos>]-pod<uid>.slice`` (systemd), and the container's is
+    the one right below it, a 64-hex id bare or with its runtime's prefix (``<id>``, ``crio-<id>``,
+    ``cri-containerd-<id>.scope``, ``crio-<id>.scope``, ``docker-<id>.scope``). Anything else below
+    the pod's directory (``crio-conmon-<id>.scope``, a sub-cgroup) names no container."""
+    parts = [p for p in path.split("/") if p]
+    for i, part in enumerate(parts):
+        m = _POD_DIR.match(part)
+        if m is None:
+            continue
+        uid = PodUID(m.group(1).replace("_", "-"))
+        below = parts[i + 1:]
+        c = _CONTAINER_DIR.match(below[0]) if len(below) == 1 else None
+        if c is not None and part.endswith(".slice") != bool(c.group(3)):
+            c = None  # a systemd pod slice holds scopes; a cgroupfs pod directory holds bare directories
+        return PodCgroup(pod_uid=uid, container_id=c.group(2) if c else None)
+    return None
+
+
+def container_ids(pid: int, proc: Path = PROC) -> set[str]:
+    """The container ids the process's cgroup paths name (one under a sane runtime; empty outside
+    a container's cgroup)."""
+    return {pc.container_id for path in cgroup_paths(pid, proc)
+            if (pc := parse_pod_cgroup(path)) is not None and pc.container_id is not None}
 
 
 def pod_pids(uid: PodUID, proc: Path = PROC) -> list[HostPid]:

@@ -41,6 +41,7 @@ from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.models.ids import PodUID
 from dynsnap.runtime import procfs
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.node_config import POD_PIDS_LIMIT
@@ -130,6 +131,12 @@ async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
         facts = await kubelet_facts(env.api, w)
         procs = container_procs(w.uid, facts.container_id)
         assert procfs.cmdline(procs.entrypoint)[:1] == ["/dynsnap/bin/dynsnap-entrypoint"]
+        # kubelet's cgroupfs layout, as this node makes it: the memory and pids hierarchies' paths (and any
+        # other that names a pod) name this pod and the container kubelet reports: the real sample of
+        # procfs.parse_pod_cgroup's cgroupfs rows.
+        ours = procfs.PodCgroup(pod_uid=PodUID(w.uid), container_id=facts.container_id)
+        named = {c: procfs.parse_pod_cgroup(path) for c, path in cgroups(procs.entrypoint).items()}
+        assert named["memory"] == named["pids"] == ours and set(named.values()) <= {ours, None}, named
         volumes = env.node.layout.kubelet_root / "pods" / w.uid / "volumes"
         control = volumes / "kubernetes.io~empty-dir" / "dynsnap-control"
         assert (control / "entrypoint.json").is_file()

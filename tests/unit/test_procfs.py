@@ -62,3 +62,51 @@ def test_apiserver_endpoints_from_the_workers_environment(tmp_path: Path) -> Non
         b"KUBERNETES_SERVICE_HOST=10.96.0.1\0KUBERNETES_SERVICE_PORT=443\0KUBECONFIG=/etc/kubeconfig\0")
     # A hostname is skipped: a socket's peer is an address.
     assert apiserver_endpoints(501, tmp_path) == [("10.213.0.1", 34567), ("10.96.0.1", 443)]
+
+
+CID = "34dc0b5e626f2c5c4c5170e34b10e7654ce36f0fcd532739f4445baabea03376"
+US = UID.replace("-", "_")
+
+
+@pytest.mark.parametrize(("path", "container"), [
+    # cgroupfs driver (the one this project's real node runs), cgroup v1 and v2, each QoS class
+    (f"/kubepods/besteffort/pod{UID}/{CID}", CID),
+    (f"/kubepods/burstable/pod{UID}/{CID}", CID),
+    (f"/kubepods/pod{UID}/{CID}", CID),  # Guaranteed: no QoS level
+    (f"/dynsnap-test/kubepods/besteffort/pod{UID}/{CID}", CID),  # under kubelet's --cgroup-root
+    (f"/kubepods/besteffort/pod{UID}/crio-{CID}", CID),  # CRI-O under cgroupfs
+    (f"/kubepods/besteffort/pod{UID}", None),  # the pod's own cgroup: no container
+    # systemd driver: containerd, CRI-O, docker; each QoS class
+    (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{US}.slice/cri-containerd-{CID}.scope", CID),
+    (f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{US}.slice/crio-{CID}.scope", CID),
+    (f"/kubepods.slice/kubepods-pod{US}.slice/docker-{CID}.scope", CID),
+    (f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{US}.slice/crio-conmon-{CID}.scope",
+     None),  # CRI-O's conmon beside the container: the pod's, but no container of it
+    (f"/kubepods.slice/kubepods-pod{US}.slice/cri-containerd-{CID}.scope/init", None),  # a sub-cgroup
+    (f"/kubepods.slice/kubepods-pod{US}.slice/{CID}", None),  # a bare id under a systemd slice: neither driver
+    (f"/kubepods/besteffort/pod{UID}/cri-containerd-{CID}.scope", None),  # a scope under cgroupfs: neither
+])
+def test_a_cgroup_path_names_its_pod_and_container_under_either_driver(path: str, container: str | None) -> None:
+    pc = procfs.parse_pod_cgroup(path)
+    assert pc is not None and pc.pod_uid == UID and pc.container_id == container, pc
+
+
+@pytest.mark.parametrize("path", [
+    "/system.slice/containerd.service",
+    f"/system.slice/fake-pod{UID}.service",  # a pod UID in a name that is no pod directory
+    f"/user.slice/pod{UID}x/{CID}",
+    f"/kubepods/besteffort/pod{UID[:-1]}/{CID}",  # a UID one digit short
+    "/",
+])
+def test_a_path_outside_any_pod_names_none(path: str) -> None:
+    assert procfs.parse_pod_cgroup(path) is None
+
+
+def test_container_ids_read_every_hierarchy_of_a_hybrid_node(tmp_path: Path) -> None:
+    cg = (f"12:pids:/kubepods/besteffort/pod{UID}/{CID}\n5:memory:/kubepods/besteffort/pod{UID}/{CID}\n"
+          "1:name=systemd:/system.slice/containerd.service\n0::/\n")
+    _proc(tmp_path, 500, ppid=1, nspid="500 1", cgroup=cg)
+    _proc(tmp_path, 600, ppid=1, nspid="600", cgroup=f"0::/kubepods/besteffort/pod{UID}\n")
+    assert procfs.container_ids(500, tmp_path) == {CID}
+    assert procfs.container_ids(600, tmp_path) == set()
+    assert procfs.pod_uid_of(600, tmp_path) == UID
