@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from dynsnap.demo import run_demo
 
+        if not args.verbose:  # the timeline is the demo's output: no line per HTTP request under it
+            for name in ("httpx", "httpcore"):
+                logging.getLogger(name).setLevel(logging.WARNING)
+
         rc: int = run_demo(timeline_out=args.timeline_out)
         return rc
     if args.command == "docs":

@@ -97,8 +97,11 @@ class Narrator:
         q = rec.get("quiesce") or {}
         if q.get("finished") and q.get("ok") and last.get("quiesce") != q.get("id"):
             last["quiesce"] = q.get("id")
-            hist.append({"op": "quiesce", "steps": q.get("steps") or [], "kind": "quiesce", "record": q})
-            self.tl.step(f"{name}: quiesced by the controller: {steps(q)}")
+            if q.get("steps"):
+                hist.append({"op": "quiesce", "steps": q["steps"], "kind": "quiesce", "record": q})
+                self.tl.step(f"{name}: quiesced by the controller: {steps(q)}")
+            else:  # a routable capture: the worker stays in serving (wake on request), nothing to quiesce
+                self.tl.step(f"{name}: kept in serving by the controller (asleep routable: no quiesce)")
         cap = st.get("lastCapture") or {}
         if cap.get("finished") and last.get("capture") != cap.get("id"):
             last["capture"] = cap.get("id")

@@ -39,6 +39,19 @@ def test_demo_runs_the_cycle_and_leaves_nothing_behind(tmp_path: Path) -> None:
         assert line in out, line
     assert len(re.findall(r"ok     demo-worker-\d: wake verified, 3/3 requests pinned", out)) == 2
     assert len(re.findall(r"ok     demo-worker-\d: same pod UID, pod IP and DWM UID", out)) == 2
+    # The last scene: the model's only worker sleeps routable, the model stays listed, its first request
+    # is answered by the worker it woke, and that wake is verified.
+    for line in ("phase 3: wake on request", "kept in serving by the controller (asleep routable: no quiesce)",
+                 "asleep routable (GPU memory freed, still in serving): the model is listed",
+                 "agent      Normal  WokenByRequest", "controller Normal  WokenByRequest"):
+        assert line in out, line
+    iid = re.search(r"ok     demo-wor-engine-0 asleep routable.*\n.*ok     one request: answered 200 by instance (\d+) "
+                    r"\(the worker it woke\)", out)
+    assert iid, out[-3000:]
+    assert re.search(r"demo-wor-engine-0: verification PASSED \(Verified\): 3/3 pinned answers", out)
+    assert re.search(r"ok     demo-wor-engine-0: woken by that request, wake verified 3/3 pinned", out)
+    assert f"answered by instance {iid.group(1)}" in out  # the controller's Verified names the same instance
+    assert "httpx" not in out + r.stderr  # the timeline is not buried under a line per HTTP request
     m = re.search(r"every request through the frontend answered: (\d+) ok, 0 failed", out)
     assert m and int(m.group(1)) > 0
     # the PNG timeline, where the output says it is (it outlives the demo's work directory)
