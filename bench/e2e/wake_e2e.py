@@ -22,6 +22,13 @@ gives the exec's own figure (``wake_agent_s``: the executor's steps, without the
 start-up) and the answer alone (``answer_after_exec_s``), and ``awake_answer_s``: the same pinned
 request while the worker was awake, so the wake's overhead reads as the difference.
 
+``--on-request`` measures the wake on request of issue 20 instead: once the worker sleeps, one
+chat request pinned to it is sent and held by the sleeping worker (its CUDA calls block); the
+worker's own in-flight gauge on its system port is read every 50 ms, as the agent's edge does
+(dynsnap/agent/edge.py, ``routable_poll_interval``), and the moment it shows the request the wake
+is run; the clock runs from the request's send to its answer (``first_answer_s``), beside the
+detection (``seen_s``), the wake (``wake_exec_s``) and the same request answered while awake.
+
 Locally the CUDA driver is the project's stub (tests/native/stub_libcuda; the worker maps it through
 LD_PRELOAD, so the agent sees a GPU process and dynsnap-cuda's save/resume run against it);
 ``--real-driver`` on the GPU machine skips it. Every wait is bounded by count and time.
@@ -44,6 +51,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -428,6 +436,49 @@ def lease_age(work: Path, instance_id: int) -> float | None:
     return None
 
 
+EDGE_POLL_S = 0.05  # the agent's routable_poll_interval (dynsnap/agent/settings.py)
+
+
+def inflight(system_url: str) -> int | None:
+    """The worker's in-flight gauge on its system port, read as the agent's edge reads it."""
+    from dynsnap.agent.idle import MetricsUnavailable, parse_metrics  # the agent's own parsing
+
+    try:
+        with urllib.request.urlopen(f"{system_url}/metrics", timeout=2.0) as r:
+            return parse_metrics(r.read().decode(errors="replace")).inflight
+    except (OSError, urllib.error.URLError, MetricsUnavailable):
+        return None
+
+
+def wake_on_request(base: str, c: Container, agent: Agent, wid: int, *, max_tokens: int, limit_s: float
+                    ) -> dict[str, Any]:
+    """One request pinned to the sleeping worker; the wake run the moment its gauge shows it (polled
+    every EDGE_POLL_S, as the edge does); the request's own time to its answer."""
+    got: dict[str, Any] = {}
+    t0 = time.monotonic()
+
+    def send() -> None:
+        got["answer"] = chat(base, wid, max_tokens=max_tokens, timeout=limit_s)
+        got["at"] = time.monotonic()
+    th = threading.Thread(target=send, daemon=True)
+    th.start()
+    seen = None
+    polls = 0
+    while time.monotonic() - t0 < limit_s and polls < int(limit_s / EDGE_POLL_S) + 1 and "answer" not in got:
+        polls += 1
+        if (inflight(c.system_url) or 0) > 0:
+            seen = time.monotonic() - t0
+            break
+        time.sleep(EDGE_POLL_S)
+    wrc, wlines, wake_exec_s = agent.exec("wake", c) if seen is not None else (None, [], 0.0)
+    th.join(timeout=max(limit_s - (time.monotonic() - t0), 1.0))
+    a: Answer | None = got.get("answer")
+    return {"seen_s": round(seen, 4) if seen is not None else None, "polls": polls, "wake_rc": wrc,
+            "wake_lines": wlines, "wake_exec_s": round(wake_exec_s, 4), "answer": a,
+            "first_answer_s": round(got["at"] - t0, 4) if "at" in got else None,
+            "answered_before_wake": seen is None and a is not None}
+
+
 def emit(out: TextIO, rec: dict[str, Any]) -> None:
     line = json.dumps(rec)
     out.write(line + "\n")
@@ -467,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resident-agent", action="store_true",
                    help="one agent process for every action (bench/e2e/resident_agent.py, as a node agent runs) "
                    "instead of a `dynsnap agent exec` per action, whose Python start-up is then not in the clock")
+    p.add_argument("--on-request", action="store_true",
+                   help="wake on request (issue 20): the sleeping worker woken when its gauge shows a request; "
+                        "the clock from that request's send to its answer")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per pinned answer (default 8)")
     p.add_argument("--threads", type=int, default=0, help="the engine's torch CPU threads (0: torch's default)")
     p.add_argument("--drop-caches", action="store_true",
@@ -581,6 +635,33 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(slept)
                 listed = fe.model_listed()  # still registered: the model is listed through this worker only
                 lease = lease_age(work, wid)
+                if args.on_request:
+                    r = wake_on_request(fe.base, c, agent, wid, max_tokens=args.max_tokens,
+                                        limit_s=args.answer_limit_s)
+                    a = r["answer"]
+                    answered = r["wake_rc"] == 0 and a is not None and a.status == 200 and a.worker_id == wid
+                    ok = ok and answered
+                    if answered:
+                        wakes.append(r["first_answer_s"])
+                        texts.add(a.text)
+                    final = r["wake_lines"][-1] if r["wake_lines"] else {}
+                    emit(out, {
+                        "kind": "wake", "mode": "on-request", "cycle": cycle, "tier": args.tier, "gib": args.gib,
+                        "kv_gib": args.kv_gib, "agent": agent_mode, "driver": "real" if args.real_driver else "stub",
+                        "asleep_s": slept, "capture_s": round(capture_s, 4), "listed_while_asleep": listed,
+                        "lease_age_s_while_asleep": lease, "seen_s": r["seen_s"], "polls": r["polls"],
+                        "wake_rc": r["wake_rc"], "wake_exec_s": r["wake_exec_s"], "wake_agent_s": final.get("seconds"),
+                        "wake_steps": {x["step"]: x.get("seconds") for x in r["wake_lines"] if "step" in x},
+                        "first_answer_s": r["first_answer_s"], "answered_before_wake": r["answered_before_wake"],
+                        "status": a.status if a else None, "worker_id": a.worker_id if a else None,
+                        "expected_worker_id": wid, "text": a.text if a else None,
+                        "text_same": (a.text == reference) if a else False,
+                        "awake_answer_s": round(awake.seconds, 4) if awake.status == 200 else None,
+                        "gpu_awake": before, "gpu_asleep": asleep_gpu, "gpu_after": gpu.snapshot()})
+                    if not answered:
+                        log(f"cycle {cycle}: the request was not answered by the woken worker: {r}\n{c.worker_log()}")
+                        break
+                    continue
                 t0 = time.monotonic()
                 wrc, wlines, wake_exec_s = agent.exec("wake", c)
                 pinned = first_pinned_answer(fe.base, wid, since=t0, max_tokens=args.max_tokens,
@@ -650,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
                            "last_failure": vars(pinned.last) if pinned.last and not a else None})
             cold = colds[0] if colds else None
             med = statistics.median(wakes) if wakes else None
-            emit(out, {"kind": "summary", "gib": args.gib, "kv_gib": args.kv_gib, "tier": args.tier,
+            emit(out, {"kind": "summary", "mode": "on-request" if args.on_request else "wake",
+                       "gib": args.gib, "kv_gib": args.kv_gib, "tier": args.tier,
                        "device": args.device,
                        "driver": "real" if args.real_driver else "stub", "cycles": args.cycles,
                        "agent": agent_mode,
