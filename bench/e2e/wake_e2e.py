@@ -440,7 +440,8 @@ EDGE_POLL_S = 0.05  # the agent's routable_poll_interval (dynsnap/agent/settings
 
 
 def inflight(system_url: str) -> int | None:
-    """The worker's in-flight gauge on its system port, read as the agent's edge reads it."""
+    """The worker's in-flight gauge on its system port, read as the agent's edge reads it (main()
+    imports the agent's parser before the first cycle: its import is no part of a detection)."""
     from dynsnap.agent.idle import MetricsUnavailable, parse_metrics  # the agent's own parsing
 
     try:
@@ -592,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([*engine[:2], "--gib", f"{args.gib:g}", "--device", args.device, "--write-weights",
                         str(weights)], env=worker_env, check=True, timeout=1800)
 
+    if args.on_request:
+        import dynsnap.agent.idle  # noqa: F401  (warm: on 2026-12-01 the first detection carried its ~0.2 s)
     ok = True
     fe: Frontend | None = None
     c: Container | None = None

@@ -133,7 +133,7 @@ class RealNode:
         self.node_ip = net.gateway  # the host's address on the run's bridge
         self.cgroup_root = f"/dynsnap-{net.bridge}-{name}"
         self.network = f"dynsnap-{net.bridge}-{name}"
-        self.kubelet_port = 0
+        self.kubelet_port = self.healthz_port = 0
         self.kube_proxy: dict[str, object] | None = None  # stub_kube_proxy's conflist entry (_register)
         self.containerd: Supervised | None = None
         self.kubelet: Supervised | None = None
@@ -208,9 +208,9 @@ class RealNode:
                             gateway=self.net.gateway, pod_cidr=self.pod_cidr, ipam_dir=lay.cni_ipam_dir,
                             kube_proxy=self.kube_proxy)
         (lay.cni_conf_dir / "10-dynsnap.conflist").write_text(json.dumps(cni, indent=1) + "\n")
-        self.kubelet_port = free_port(self.node_ip)
+        self.kubelet_port, self.healthz_port = free_port(self.node_ip), free_port()
         settings = conf.KubeletSettings(
-            node_ip=self.node_ip, port=self.kubelet_port, healthz_port=free_port(), ca_cert=self.cp.pki.ca_cert,
+            node_ip=self.node_ip, port=self.kubelet_port, healthz_port=self.healthz_port, ca_cert=self.cp.pki.ca_cert,
             serving_cert=lay.pki / "kubelet.crt", serving_key=lay.pki / "kubelet.key", cgroup_root=self.cgroup_root,
             containerd_socket=lay.containerd_socket)
         lay.kubelet_config.write_text(yaml.safe_dump(conf.kubelet_configuration(lay, settings)))

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,6 +243,9 @@ async def stop(env: Env) -> list[str]:
     problems: list[str] = []
     if env.fe is not None:
         await env.fe.close()
+    if keep := os.environ.get("DYNSNAP_KEEP_LOGS"):  # the pods' logs, as kubelet keeps them, beside the sandboxes'
+        with contextlib.suppress(OSError):
+            shutil.copytree(env.node.layout.pod_logs, Path(keep) / "real-node-pods", dirs_exist_ok=True)
     if env.graph is not None:
         with contextlib.suppress(Exception):
             await real_graph.teardown(env.api, env.graph)

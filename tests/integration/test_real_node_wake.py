@@ -14,8 +14,10 @@ running after).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import statistics
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
@@ -45,6 +47,7 @@ from dynsnap.models.ids import PodUID
 from dynsnap.runtime import procfs
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.node_config import POD_PIDS_LIMIT
+from dynsnap.testenv.node_restart import restart_containerd, restart_kubelet
 from dynsnap.testenv.oci import OciImage, image_layout
 from dynsnap.testenv.real_graph import NodePod
 
@@ -53,6 +56,7 @@ pytestmark = pytest.mark.cluster
 CYCLES = 3
 CAP_CHECKPOINT_RESTORE = 40
 MEMORY_LIMIT_BYTES = 2 * 2**30  # realnodeenv.WORKER_MEMORY_LIMIT
+SETTLE_S = 25.0  # after a daemon's restart: examples/dgd's startupProbe and readinessProbe periods (10 s each) + 5
 TIMINGS: dict[str, list[float]] = {"suspend": [], "snapshot": []}
 
 
@@ -187,7 +191,8 @@ async def _ready_is(env: Env, w: NodePod, ready: bool) -> bool:
     return (await kubelet_facts(env.api, w)).ready is ready
 
 
-async def _cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], Awaitable[None]]) -> Obj:
+async def _cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], Awaitable[None]], *,
+                 timed: bool = True) -> Obj:
     """Suspend ``w`` through the override, run ``while_asleep`` on its WorkerSnapshot, wake it; returns the
     woken WorkerSnapshot once the controller has verified this wake and the pod is Ready again."""
     before = (((await get_ws(env.api, w)) or {}).get("status") or {}).get("lastWake", {}).get("id")
@@ -207,7 +212,8 @@ async def _cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], 
     verified = cond(woken, "Verified")
     assert verified is not None and verified["status"] == "True" and verified["reason"] == "Verified"
     await wait_for(f"{w.name} Ready again", lambda: _ready_is(env, w, True), timeout=60, interval=0.5)
-    TIMINGS[tier].append(_seconds(wake))
+    if timed:
+        TIMINGS[tier].append(_seconds(wake))
     return woken
 
 
@@ -292,3 +298,101 @@ async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
             pod_pids = str(Path(container_cg["pids"]).parent)
             assert cgroup_file("pids", pod_pids, "pids.max") == str(POD_PIDS_LIMIT)
             assert int(cgroup_file("pids", pod_pids, "pids.current")) >= len(now.tree) + 1
+
+
+async def _tier(env: Env, w: NodePod, tier: str) -> None:
+    assert env.graph is not None
+    await env.api.merge_patch(R.DGDS, env.graph.dgd["metadata"]["name"],
+                              {"metadata": {"annotations": {"dynsnap.io/tier": tier}}},
+                              namespace=env.graph.dgd["metadata"]["namespace"])
+    await _wait_ws(env, w, f"tier {tier}", lambda ws: bool(ws and ws["spec"]["tier"] == tier), timeout=60)
+
+
+async def _ready(env: Env, pods: list[NodePod]) -> bool:
+    """Every one of ``pods`` Ready by kubelet's own account (its probes and the gate)."""
+    for p in pods:
+        live = await env.api.get(R.PODS, p.name, namespace=p.namespace)
+        if not any(c["type"] == "Ready" and c["status"] == "True" for c in live["status"].get("conditions") or []):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("daemon", ["kubelet", "containerd"])
+@pytest.mark.parametrize("tier", ["suspend", "snapshot"])
+async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_place(env: Env, tier: str,
+                                                                                     daemon: str) -> None:
+    """kubelet, or containerd, stopped and started again while the worker sleeps (as the node's supervisor
+    restarts it): the sleeping container is the same one afterwards (its id, restartCount, PID 1, runc and
+    containerd running it), still not Ready (only the gate takes it out of serving), its capture kept;
+    then the wake is in place and verified.
+
+    Unpinned requests run through the frontend from the restart on (the capture before it is judged by
+    the tests above), and the frontend's and the awake peer's readiness is sampled beside them. A
+    restarted kubelet keeps no probe result: every container there
+    counts as not started and not ready until its startup and readiness probes run again (the example's
+    startupProbe every 10 s), so the peer leaves its EndpointSlice for those seconds and the model
+    answers 404, with dynsnap or without. The test says exactly that: every failed request is a 404
+    answered within the frontend's lag (5 s) of a look that saw the frontend or the peer not Ready by
+    kubelet's account, and requests are answered again after."""
+    assert env.graph is not None and env.fe is not None
+    w = env.graph.workers(WORKER_COMPONENT)[0]
+    others = [env.graph.frontend, *[p for p in env.graph.workers(WORKER_COMPONENT) if p.name != w.name]]
+    await wait_for("the frontend and the peer Ready", lambda: _ready(env, others), timeout=90, interval=0.5)
+    await _tier(env, w, tier)
+    first = await kubelet_facts(env.api, w)
+    ep = container_procs(w.uid, first.container_id).entrypoint
+    restart = restart_kubelet if daemon == "kubelet" else restart_containerd
+    not_ready: list[float] = []  # when the frontend or the peer was seen not Ready
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        for _ in range(2400):  # every 0.25 s, bounded (10 minutes)
+            if done.is_set():
+                return
+            with contextlib.suppress(Exception):
+                if not await _ready(env, others):
+                    not_ready.append(time.time())
+            await asyncio.sleep(0.25)
+
+    restarted: list[float] = []
+
+    async def restarted_while_asleep(slept: Obj) -> None:
+        restarted.append(time.time())
+        load.start()  # from here on: the capture before it is test_snapshot_…'s and test_suspend_…'s to judge
+        sampler.append(asyncio.create_task(sample()))
+        await restart(env.node)
+        await _runtime_runs(env, first.container_id, ep)
+        await _same_pod(env, w, first)
+        assert (await kubelet_facts(env.api, w)).ready is False  # still out of serving: its gate
+        ws = await get_ws(env.api, w)
+        assert asleep(ws) and ws is not None and ws["status"]["lastCapture"]["id"] == \
+            slept["status"]["lastCapture"]["id"], ws
+
+    lag = 5.0  # the frontend sees an EndpointSlice change through its watch, within a second or two
+    load = Load(env.fe, concurrency=1, pause=0.5, max_tokens=2)
+    sampler: list[asyncio.Task[None]] = []
+    try:
+        await _cycle(env, w, tier, restarted_while_asleep, timed=False)
+        await _same_pod(env, w, first)
+        await _runtime_runs(env, first.container_id, ep)
+        await wait_for("the frontend and the peer Ready", lambda: _ready(env, others), timeout=90, interval=0.25)
+
+        async def answered_after() -> bool:
+            # Three answers after the last not-Ready look (plus the lag), once kubelet has had the time to
+            # run every probe again (the example's startup and readiness periods, 10 s each): the next test
+            # must not start inside this restart's window.
+            since = (not_ready[-1] if not_ready else 0.0) + lag
+            return time.time() > restarted[0] + SETTLE_S and sum(1 for r in load.results if r[0] > since) >= 3
+        await wait_for("requests answered after the peer was Ready again", answered_after, timeout=60, interval=0.5)
+    finally:
+        done.set()
+        await load.stop()
+        for task in sampler:
+            await task
+    failed = load.failures()
+    print(f"\n{daemon} restart under a {tier} sleeper: {len(failed)} of {len(load.results)} requests failed; "
+          f"the frontend or the peer seen not Ready {len(not_ready)} times (every 0.25 s)")
+    for r in failed:  # a 404 within the lag of a not-Ready look, either side (the looks are 0.25 s apart)
+        assert r[1] == 404 and any(abs(t - r[0]) <= lag for t in not_ready), (r, not_ready[:3], not_ready[-3:])
+    after = [r for r in load.results if r[0] > (not_ready[-1] if not_ready else 0.0) + lag]
+    assert len(after) >= 3 and all(r[1] == 200 for r in after), after[:5]
