@@ -211,7 +211,8 @@ async def test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_f
 
         async def told() -> Obj | None:
             evs = await events_for(env.api, last.namespace, last.name)
-            warnings[:] = [(e.get("reason", ""), (e.get("note") or "")[:300]) for e in evs if e.get("type") == "Warning"]
+            warnings[:] = [(e.get("reason", ""), (e.get("note") or "")[:300]) for e in evs
+                           if e.get("type") == "Warning"]
             return next((e for e in evs if e.get("type") == "Warning" and e.get("reason") == "WakeFailed"
                          and "wake not verified; fallback: ColdRestart" in (e.get("note") or "")), None)
         try:
