@@ -21,25 +21,10 @@ case $AGENT in
   resident) MODE=(--resident-agent); TAG=-resident ;;
   *) echo "AGENT: exec or resident, not $AGENT"; exit 2 ;;
 esac
-OUT="${OUT:-/tmp/dynsnap-e2e-out}"
-ROOT=$(pwd)
-PARTS=/tmp/e2e-parts
-mkdir -p "$OUT"
-
-# 1. Reassemble and install what the parts carried (once per machine: a second run skips it).
-if [[ ! -f /tmp/e2e-py/.complete ]]; then
-  cat "$PARTS"/e2e-py.tar.xz.* >/tmp/e2e-py.tar.xz
-  (cd /tmp && sha256sum -c "$PARTS/SHA256SUMS") || { echo "the parts do not add up: carry them all again"; exit 1; }
-  rm -rf /tmp/e2e-py && mkdir -p /tmp/e2e-py && tar -C /tmp/e2e-py -xJf /tmp/e2e-py.tar.xz || exit 1
-  touch /tmp/e2e-py/.complete
-fi
-python3 -m pip install -q --no-index --no-deps --target /tmp/dynsnap-pydeps "$PARTS"/agent-wheels/*.whl \
-  >/dev/null 2>&1 || { echo "cannot install the agent's wheels"; exit 1; }
-
-# 2. The GPU environment (NVLink multicast off, dynsnap-cuda built here, the driver's libraries).
+# 1-2. The carried parts reassembled and installed (once per machine), the GPU environment
+# (NVLink multicast off, dynsnap-cuda built here, the driver's libraries): bench/e2e/e2e_env.sh.
 # shellcheck disable=SC1091
-source "$ROOT/bench/gpu/gpu_env.sh"
-export PYTHONPATH="/tmp/dynsnap-pydeps:$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/e2e_env.sh"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 # The worker's imports, as it gets them: the machine's torch under the carried packages.
 PYTHONPATH=/tmp/e2e-py python3 -c 'import torch, dynamo._core, dynamo.frontend, dynamo.llm; print("dynamo imports")' \
@@ -51,9 +36,7 @@ python3 "$ROOT/bench/e2e/wake_e2e.py" --real-driver --device cuda --gib "$GIB" -
   --drop-caches --cold-reps "${COLD_REPS:-2}" --work /tmp/dynsnap-e2e "${MODE[@]}" --out "$OUT/wake_e2e-$GIB$TAG.jsonl" \
   2>"$OUT/wake_e2e-$GIB$TAG.log"
 rc=$?
-for f in /tmp/dynsnap-e2e/*.log; do
-  [[ -f $f ]] && { echo "== $f"; tail -c 200000 "$f"; }
-done >"$OUT/logs.txt" 2>&1
+e2e_keep_logs 200000
 tail -20 "$OUT/wake_e2e-$GIB$TAG.log"
 echo "rc=$rc"
 exit $rc

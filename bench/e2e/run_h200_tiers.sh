@@ -15,22 +15,8 @@
 set -uo pipefail
 GIB=${1:-16}
 RUNS=${RUNS:-"suspend:0 engine:0 suspend:48 engine:48 engine:96"}
-OUT="${OUT:-/tmp/dynsnap-e2e-out}"
-ROOT=$(pwd)
-PARTS=/tmp/e2e-parts
-mkdir -p "$OUT"
-
-if [[ ! -f /tmp/e2e-py/.complete ]]; then
-  cat "$PARTS"/e2e-py.tar.xz.* >/tmp/e2e-py.tar.xz
-  (cd /tmp && sha256sum -c "$PARTS/SHA256SUMS") || { echo "the parts do not add up: carry them all again"; exit 1; }
-  rm -rf /tmp/e2e-py && mkdir -p /tmp/e2e-py && tar -C /tmp/e2e-py -xJf /tmp/e2e-py.tar.xz || exit 1
-  touch /tmp/e2e-py/.complete
-fi
-python3 -m pip install -q --no-index --no-deps --target /tmp/dynsnap-pydeps "$PARTS"/agent-wheels/*.whl \
-  >/dev/null 2>&1 || { echo "cannot install the agent's wheels"; exit 1; }
 # shellcheck disable=SC1091
-source "$ROOT/bench/gpu/gpu_env.sh"
-export PYTHONPATH="/tmp/dynsnap-pydeps:$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/e2e_env.sh"
 free -g | head -2
 rc=0
 for run in $RUNS; do
@@ -48,9 +34,7 @@ for line in sys.stdin:
             "gpu_asleep", "host_memory_asleep", "wake_steps", "error", "ok")
     print(json.dumps({k: d[k] for k in keep if k in d}))' || rc=1
 done
-for f in /tmp/dynsnap-e2e/*.log; do
-  [[ -f $f ]] && { echo "== $f"; tail -c 100000 "$f"; }
-done >"$OUT/logs.txt" 2>&1
+e2e_keep_logs 100000
 tail -5 "$OUT/tiers.log"
 echo "rc=$rc"
 exit $rc
