@@ -217,6 +217,14 @@ async def _cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], 
     return woken
 
 
+async def _tier(env: Env, w: NodePod, tier: str) -> None:
+    assert env.graph is not None
+    await env.api.merge_patch(R.DGDS, env.graph.dgd["metadata"]["name"],
+                              {"metadata": {"annotations": {"dynsnap.io/tier": tier}}},
+                              namespace=env.graph.dgd["metadata"]["namespace"])
+    await _wait_ws(env, w, f"tier {tier}", lambda ws: bool(ws and ws["spec"]["tier"] == tier), timeout=60)
+
+
 async def _runtime_runs(env: Env, container_id: str, pid: int) -> None:
     """runc and containerd report the container running, with its PID 1 the same process."""
     state = await runc_state(env.node, container_id)
@@ -262,10 +270,7 @@ async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
     capability state it had before the capture."""
     assert env.graph is not None
     w = env.graph.workers(WORKER_COMPONENT)[0]
-    await env.api.merge_patch(R.DGDS, env.graph.dgd["metadata"]["name"],
-                              {"metadata": {"annotations": {"dynsnap.io/tier": "snapshot"}}},
-                              namespace=env.graph.dgd["metadata"]["namespace"])
-    await _wait_ws(env, w, "tier snapshot", lambda ws: bool(ws and ws["spec"]["tier"] == "snapshot"), timeout=60)
+    await _tier(env, w, "snapshot")
     first = await kubelet_facts(env.api, w)
     procs = container_procs(w.uid, first.container_id)
     ep, ns_pid = procs.entrypoint, procfs.status(procs.root).nspid[-1]  # type: ignore[union-attr]
@@ -298,14 +303,6 @@ async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
             pod_pids = str(Path(container_cg["pids"]).parent)
             assert cgroup_file("pids", pod_pids, "pids.max") == str(POD_PIDS_LIMIT)
             assert int(cgroup_file("pids", pod_pids, "pids.current")) >= len(now.tree) + 1
-
-
-async def _tier(env: Env, w: NodePod, tier: str) -> None:
-    assert env.graph is not None
-    await env.api.merge_patch(R.DGDS, env.graph.dgd["metadata"]["name"],
-                              {"metadata": {"annotations": {"dynsnap.io/tier": tier}}},
-                              namespace=env.graph.dgd["metadata"]["namespace"])
-    await _wait_ws(env, w, f"tier {tier}", lambda ws: bool(ws and ws["spec"]["tier"] == tier), timeout=60)
 
 
 async def _ready(env: Env, pods: list[NodePod]) -> bool:
