@@ -27,14 +27,13 @@ from typing import Any
 
 import httpx
 
+from dynsnap.agent.idle import MetricsUnavailable, parse_metrics
 from dynsnap.models import protocol as P
 from dynsnap.models.protocol import DesiredState, ObservedState
-from dynsnap.telemetry.promtext import samples, total
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 MAX_AT_ONCE = 32  # GETs in flight at once: a node has a few routable sleepers, never thousands
-INFLIGHT = "dynamo_component_inflight_requests"
 
 
 @dataclass(frozen=True)
@@ -64,15 +63,19 @@ def routable_sleepers(snapshots: Iterable[Obj], pod_ip: Callable[[str, str], str
     return out
 
 
-async def inflight(http: httpx.AsyncClient, url: str) -> float | None:
-    """The worker's in-flight requests, summed over its series; None when it did not answer."""
+async def inflight(http: httpx.AsyncClient, url: str) -> int | None:
+    """The worker's in-flight requests, summed over its series as the idle facts read them
+    (``idle.parse_metrics``); None when it did not answer or its page has no in-flight series."""
     try:
         r = await http.get(url)
     except httpx.HTTPError:
         return None
     if r.status_code != 200:
         return None
-    return total(samples(r.text, [INFLIGHT]), INFLIGHT)
+    try:
+        return parse_metrics(r.text).inflight
+    except MetricsUnavailable:
+        return None
 
 
 async def watch(sleepers: Callable[[], list[Sleeper]], on_request: Callable[[str], None], *, interval: float,
