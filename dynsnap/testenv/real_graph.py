@@ -142,3 +142,29 @@ async def teardown(api: Kube, graph: Graph, *, timeout: float = 120) -> None:
             return True
         return False
     await wait_for(f"DGD {ns}/{name} and its pods gone", gone, timeout=timeout, interval=0.5)
+
+
+async def recreate(api: Kube, graph: Graph, pod: NodePod, *, timeout: float = 180) -> NodePod:
+    """What the Dynamo operator does once a worker pod of its graph is deleted (by a person, ``kubectl
+    delete pod``): after the pod is gone (kubelet stopped its containers and the API server removed it)
+    a pod of the same name from the DGD's current component template, on the same node, with a new UID.
+    The new incarnation replaces the old one in ``graph.pods`` and is returned once kubelet runs it."""
+    comp_name = next(c for c, ps in graph.pods.items() if any(p.name == pod.name for p in ps))
+    dgd = await api.get(R.DGDS, graph.dgd["metadata"]["name"], namespace=graph.dgd["metadata"]["namespace"])
+    comp = next(c for c in stub_operator.components(dgd) if c["name"] == comp_name)
+    body = next(b for b in stub_operator.component_pods(dgd, comp) if b["metadata"]["name"] == pod.name)
+    body["spec"]["nodeName"] = pod.node
+
+    async def gone() -> bool:
+        try:
+            live = await api.get(R.PODS, pod.name, namespace=pod.namespace)
+        except NotFound:
+            return True
+        return bool(live["metadata"]["uid"] != pod.uid)
+    await wait_for(f"pod {pod.namespace}/{pod.name} ({pod.uid}) gone", gone, timeout=timeout, interval=0.5)
+    await api.create(R.PODS, body)
+    live = await wait_for(f"pod {pod.namespace}/{pod.name} running again on {pod.node}",
+                          lambda: _pod_running(api, pod.namespace, pod.name), timeout=timeout, interval=0.5)
+    new = NodePod(live["metadata"]["name"], pod.namespace, live["metadata"]["uid"], live["status"]["podIP"], pod.node)
+    graph.pods[comp_name] = [new if p.name == pod.name else p for p in graph.pods[comp_name]]
+    return new

@@ -53,7 +53,12 @@ def _helper(pid: int, op: str) -> Helper | None:
 
 def helpers_of(pod: RunningPod) -> list[Helper]:
     """The dynsnap-cuda and CRIU processes that run for ``pod`` now (also once the pod has stopped)."""
-    inode = pod.sandbox.pid_namespace
+    return helpers_for(pod.sandbox.pid_namespace, pod.sandbox.pid)
+
+
+def helpers_for(inode: int | None, pid1: int) -> list[Helper]:
+    """The dynsnap-cuda and CRIU processes that run for the pod whose pid namespace is ``inode`` and whose
+    PID 1 is host pid ``pid1`` (a sandbox's, or a real container's entrypoint)."""
     out: list[Helper] = []
     for pid in procfs.pids():
         exe = procfs.exe_name(pid)
@@ -68,7 +73,7 @@ def helpers_of(pod: RunningPod) -> list[Helper]:
             continue
         at = argv.index("--") if "--" in argv else len(argv)
         target = argv[argv.index("-t") + 1] if "-t" in argv[:at - 1] else None
-        if target == str(pod.sandbox.pid) and {"dump", "restore"} & set(argv[at:]):
+        if target == str(pid1) and {"dump", "restore"} & set(argv[at:]):
             for p in procfs.tree(pid):
                 with contextlib.suppress(OSError):
                     h = _helper(p, "criu")

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,8 @@ def chart_values(paths: NodePaths, driver: StubDriver) -> Obj:
         "controller": {"nodeSelector": {REAL_NODE_LABEL: "true"}, "scrapeInterval": 1, "verifyTimeout": 90,
                        "quiesceTimeout": 90, "verbose": True},
         "agent": {"imagesRoot": str(paths.images), "stateDir": str(paths.cuda_state), "nodeToolsDir": str(paths.tools),
-                  "failureBackoff": 2, "scrapeInterval": 1, "verbose": True, **stub_gpu_stack.agent_values(driver)},
+                  "failureBackoff": 2, "scrapeInterval": 1, "gcInterval": 5, "verbose": True,
+                  **stub_gpu_stack.agent_values(driver)},
         "uninstall": {"timeout": 120},
     }
 
@@ -121,6 +123,7 @@ class Env:
     graph: real_graph.Graph | None = None
     fe: D.FrontendClient | None = None
     logs: list[str] = field(default_factory=list)
+    values: Obj = field(default_factory=dict)  # the chart values installed (or last upgraded to)
 
     @property
     def api(self) -> Kube:
@@ -152,22 +155,32 @@ class Env:
         return "\n".join(out)
 
 
+async def upgrade(env: Env, values: Obj) -> None:
+    """``helm upgrade`` of the installed release to ``values`` (the user's next chart values)."""
+    await _install(env, values, upgrade=True)
+
+
 def _pod_ready(pod: Obj) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
-async def _install(env: Env, values: Obj) -> None:
+async def _install(env: Env, values: Obj, *, upgrade: bool = False) -> None:
+    """``helm install`` (or ``helm upgrade`` of the release) with ``values``; returns once the chart's
+    two pods, and only they, are Ready on the node (an upgrade's replaced pods gone)."""
     vfile = env.helm.home / "values.yaml"
     vfile.write_text(yaml.safe_dump(values))
-    code, out = await env.helm.run("install", RELEASE, str(CHART), "--namespace", NS, "--create-namespace",
-                                   "--values", str(vfile), "--wait", "--timeout", "240s")
+    verb = ("upgrade",) if upgrade else ("install", "--create-namespace")
+    code, out = await env.helm.run(*verb, RELEASE, str(CHART), "--namespace", NS, "--values", str(vfile),
+                                   "--wait", "--timeout", "240s")
     if code != 0:
-        raise AssertionError(f"helm install failed:\n{out}\n{await env.dump_logs()}")
+        raise AssertionError(f"helm {verb[0]} failed:\n{out}\n{await env.dump_logs()}")
+    env.values = values
     # helm's --wait counts a DaemonSet ready with maxUnavailable (1) pods not ready: wait for the agent.
     async def ready() -> bool:
         pods = [p for comp in ("controller", "agent") for p in await env.chart_pods(comp)]
-        return len(pods) == 2 and all(_pod_ready(p) and p["spec"]["nodeName"] == NODE for p in pods)
+        return len(pods) == 2 and all(_pod_ready(p) and p["spec"]["nodeName"] == NODE
+                                      and not p["metadata"].get("deletionTimestamp") for p in pods)
     try:
         await wait_for("the chart's controller and agent pods Ready on the real node", ready, timeout=180,
                        interval=1)
@@ -225,6 +238,21 @@ async def start(cluster: LocalCluster, work_root: Path, *, tier: str) -> Env:
         await stop(env)
         raise
     return env
+
+
+@contextlib.asynccontextmanager
+async def running(cluster: LocalCluster, work_root: Path, *, tier: str) -> AsyncIterator[Env]:
+    """A test module's environment: :func:`start`, the chart's pods' logs printed if the module fails,
+    and :func:`stop`, which must leave nothing wrong behind."""
+    e = await start(cluster, work_root, tier=tier)
+    try:
+        yield e
+    except BaseException:
+        print(await e.dump_logs())
+        raise
+    finally:
+        problems = await stop(e)
+        assert not problems, "\n".join(problems)
 
 
 async def _uninstall(env: Env) -> str:

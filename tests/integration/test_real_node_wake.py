@@ -18,23 +18,20 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import datetime
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from controllerenv import Load, asleep, cond, events_for, verified_after
-from realnodeenv import NODE, NS, RELEASE, WORKER_COMPONENT, Env, start, stop
+from controllerenv import Load, asleep, events_for
+from realnodecycle import all_ready, cycle, runtime_runs, same_pod, set_tier, trickle
+from realnodeenv import NODE, NS, RELEASE, WORKER_COMPONENT, Env, running
 from realnodefacts import (
-    KubeletFacts,
     cgroup_file,
     cgroups,
     container_procs,
-    containerd_task,
     get_ws,
     kubelet_facts,
     namespaces,
-    runc_state,
     security,
     stub_state,
 )
@@ -49,7 +46,6 @@ from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.node_config import POD_PIDS_LIMIT
 from dynsnap.testenv.node_restart import restart_containerd, restart_kubelet
 from dynsnap.testenv.oci import OciImage, image_layout
-from dynsnap.testenv.real_graph import NodePod
 
 pytestmark = pytest.mark.cluster
 
@@ -62,19 +58,14 @@ TIMINGS: dict[str, list[float]] = {"suspend": [], "snapshot": []}
 
 @pytest.fixture(scope="module")
 async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
-    e = await start(cluster, Path(tmp_path_factory.mktemp("real-node-wake")), tier="suspend")
     try:
-        yield e
-    except BaseException:
-        print(await e.dump_logs())
-        raise
+        async with running(cluster, Path(tmp_path_factory.mktemp("real-node-wake")), tier="suspend") as e:
+            yield e
     finally:
         for tier, secs in TIMINGS.items():  # for docs/BENCHMARKS.md; never asserted
             if secs:
                 print(f"\nreal node, tier {tier}: wake (lastWake) {', '.join(f'{s:.3f}' for s in secs)} s; "
                       f"median {statistics.median(secs):.3f} s")
-        problems = await stop(e)
-        assert not problems, "\n".join(problems)
 
 
 def _host_pid(pod: Obj, container: str) -> int:
@@ -153,91 +144,6 @@ async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
         await env.fe.wait_routable(iid, timeout=60)
 
 
-async def _override(env: Env, w: NodePod, value: str) -> None:
-    await env.api.merge_patch(R.PODS, w.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: value}}},
-                              namespace=w.namespace)
-
-
-async def _wait_ws(env: Env, w: NodePod, what: str, check: Callable[[Obj | None], bool], timeout: float = 240) -> Obj:
-    async def probe() -> Obj | None:
-        ws = await get_ws(env.api, w)
-        return ws if check(ws) else None
-    try:
-        got: Obj = await wait_for(f"{w.name}: {what}", probe, timeout=timeout, interval=0.5)
-    except TimeoutError:
-        print("LAST WORKERSNAPSHOT:", await get_ws(env.api, w))
-        raise
-    return got
-
-
-def _seconds(record: Obj) -> float:
-    return (datetime.fromisoformat(record["finished"]) - datetime.fromisoformat(record["started"])).total_seconds()
-
-
-@contextlib.asynccontextmanager
-async def _trickle(env: Env) -> AsyncIterator[Load]:
-    """Unpinned requests through the frontend all along: the peer serves them; none may fail."""
-    assert env.fe is not None
-    load = Load(env.fe, concurrency=1, pause=1.0, max_tokens=2)
-    load.start()
-    try:
-        yield load
-    finally:
-        await load.stop()
-    assert load.results and not load.failures(), load.failures()[:5]
-
-
-async def _ready_is(env: Env, w: NodePod, ready: bool) -> bool:
-    return (await kubelet_facts(env.api, w)).ready is ready
-
-
-async def _cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], Awaitable[None]], *,
-                 timed: bool = True) -> Obj:
-    """Suspend ``w`` through the override, run ``while_asleep`` on its WorkerSnapshot, wake it; returns the
-    woken WorkerSnapshot once the controller has verified this wake and the pod is Ready again."""
-    before = (((await get_ws(env.api, w)) or {}).get("status") or {}).get("lastWake", {}).get("id")
-    await _override(env, w, "suspended")
-    slept = await _wait_ws(env, w, f"asleep ({tier})", asleep)
-    assert slept["status"]["lastCapture"]["ok"] is True and slept["status"]["lastCapture"]["tier"] == tier
-    # Out of serving only through the gate: kubelet's own readiness says so while the worker sleeps.
-    await wait_for(f"{w.name} not Ready while asleep", lambda: _ready_is(env, w, False), timeout=60, interval=0.5)
-    await while_asleep(slept)
-    await _override(env, w, "active")
-    woken = await _wait_ws(env, w, "woken and verified", verified_after(before))
-    wake = woken["status"]["lastWake"]
-    assert wake["ok"] is True and wake["tier"] == tier
-    v = woken["status"]["controller"]["verification"]
-    dwm = await env.api.get(R.DWMS, w.name, namespace=w.namespace)
-    assert v["ok"] is True and v["answered"] == v["requests"] == 3 and v["workerId"] == instance_id_from_dwm(dwm)
-    verified = cond(woken, "Verified")
-    assert verified is not None and verified["status"] == "True" and verified["reason"] == "Verified"
-    await wait_for(f"{w.name} Ready again", lambda: _ready_is(env, w, True), timeout=60, interval=0.5)
-    if timed:
-        TIMINGS[tier].append(_seconds(wake))
-    return woken
-
-
-async def _tier(env: Env, w: NodePod, tier: str) -> None:
-    assert env.graph is not None
-    await env.api.merge_patch(R.DGDS, env.graph.dgd["metadata"]["name"],
-                              {"metadata": {"annotations": {"dynsnap.io/tier": tier}}},
-                              namespace=env.graph.dgd["metadata"]["namespace"])
-    await _wait_ws(env, w, f"tier {tier}", lambda ws: bool(ws and ws["spec"]["tier"] == tier), timeout=60)
-
-
-async def _runtime_runs(env: Env, container_id: str, pid: int) -> None:
-    """runc and containerd report the container running, with its PID 1 the same process."""
-    state = await runc_state(env.node, container_id)
-    assert state["id"] == container_id and state["status"] == "running" and state["pid"] == pid, state
-    assert await containerd_task(env.node, container_id) == (pid, "RUNNING")
-
-
-async def _same_pod(env: Env, w: NodePod, first: KubeletFacts) -> None:
-    now = await kubelet_facts(env.api, w)
-    assert (now.uid, now.ip, now.container_id, now.restart_count, now.running) == (
-        w.uid, w.ip, first.container_id, first.restart_count, True)
-
-
 async def test_suspend_wakes_in_place_on_real_containers(env: Env) -> None:
     """Tier suspend, three times: the worker's processes stay (the same host pid), checkpointed by the
     driver while asleep and running after; the container the same one, never restarted."""
@@ -250,13 +156,13 @@ async def test_suspend_wakes_in_place_on_real_containers(env: Env) -> None:
     async def asleep_facts(_: Obj) -> None:
         assert stub_state(env.driver, worker) == 2  # checkpointed
         assert container_procs(w.uid, first.container_id).root == worker
-        await _runtime_runs(env, first.container_id, procs.entrypoint)
-        await _same_pod(env, w, first)
+        await runtime_runs(env, first.container_id, procs.entrypoint)
+        await same_pod(env, w, first)
 
-    async with _trickle(env):
+    async with trickle(env):
         for _ in range(CYCLES):
-            await _cycle(env, w, "suspend", asleep_facts)
-            await _same_pod(env, w, first)
+            await cycle(env, w, "suspend", asleep_facts, timings=TIMINGS["suspend"])
+            await same_pod(env, w, first)
             assert stub_state(env.driver, worker) == 0 and container_procs(w.uid, first.container_id).root == worker
     reasons = {e["reason"] for e in await events_for(env.api, w.namespace, w.name)}
     assert {"Quiescing", "CaptureRequested", "WakeRequested", "Verified"} <= reasons, reasons
@@ -270,7 +176,7 @@ async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
     capability state it had before the capture."""
     assert env.graph is not None
     w = env.graph.workers(WORKER_COMPONENT)[0]
-    await _tier(env, w, "snapshot")
+    await set_tier(env, w, "snapshot")
     first = await kubelet_facts(env.api, w)
     procs = container_procs(w.uid, first.container_id)
     ep, ns_pid = procs.entrypoint, procfs.status(procs.root).nspid[-1]  # type: ignore[union-attr]
@@ -279,17 +185,17 @@ async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
 
     async def asleep_facts(ws: Obj) -> None:
         assert container_procs(w.uid, first.container_id).tree == ()  # the whole tree is in the images
-        await _runtime_runs(env, first.container_id, ep)
-        await _same_pod(env, w, first)
+        await runtime_runs(env, first.container_id, ep)
+        await same_pod(env, w, first)
         image = Path(ws["status"]["image"]["path"])
         assert image.is_relative_to(env.paths.images) and "Dumping finished successfully" in (
             image / "dump.log").read_text(errors="replace")
 
-    async with _trickle(env):
+    async with trickle(env):
         for _ in range(CYCLES):
-            await _cycle(env, w, "snapshot", asleep_facts)
-            await _same_pod(env, w, first)
-            await _runtime_runs(env, first.container_id, ep)
+            await cycle(env, w, "snapshot", asleep_facts, timings=TIMINGS["snapshot"])
+            await same_pod(env, w, first)
+            await runtime_runs(env, first.container_id, ep)
             now = container_procs(w.uid, first.container_id)
             root = now.root
             assert procfs.status(root).nspid[-1] == ns_pid  # type: ignore[union-attr]
@@ -303,15 +209,6 @@ async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
             pod_pids = str(Path(container_cg["pids"]).parent)
             assert cgroup_file("pids", pod_pids, "pids.max") == str(POD_PIDS_LIMIT)
             assert int(cgroup_file("pids", pod_pids, "pids.current")) >= len(now.tree) + 1
-
-
-async def _ready(env: Env, pods: list[NodePod]) -> bool:
-    """Every one of ``pods`` Ready by kubelet's own account (its probes and the gate)."""
-    for p in pods:
-        live = await env.api.get(R.PODS, p.name, namespace=p.namespace)
-        if not any(c["type"] == "Ready" and c["status"] == "True" for c in live["status"].get("conditions") or []):
-            return False
-    return True
 
 
 @pytest.mark.parametrize("daemon", ["kubelet", "containerd"])
@@ -334,8 +231,8 @@ async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_
     assert env.graph is not None and env.fe is not None
     w = env.graph.workers(WORKER_COMPONENT)[0]
     others = [env.graph.frontend, *[p for p in env.graph.workers(WORKER_COMPONENT) if p.name != w.name]]
-    await wait_for("the frontend and the peer Ready", lambda: _ready(env, others), timeout=90, interval=0.5)
-    await _tier(env, w, tier)
+    await wait_for("the frontend and the peer Ready", lambda: all_ready(env, others), timeout=90, interval=0.5)
+    await set_tier(env, w, tier)
     first = await kubelet_facts(env.api, w)
     ep = container_procs(w.uid, first.container_id).entrypoint
     restart = restart_kubelet if daemon == "kubelet" else restart_containerd
@@ -347,7 +244,7 @@ async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_
             if done.is_set():
                 return
             with contextlib.suppress(Exception):
-                if not await _ready(env, others):
+                if not await all_ready(env, others):
                     not_ready.append(time.time())
             await asyncio.sleep(0.25)
 
@@ -358,8 +255,8 @@ async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_
         load.start()  # from here on: the capture before it is test_snapshot_…'s and test_suspend_…'s to judge
         sampler.append(asyncio.create_task(sample()))
         await restart(env.node)
-        await _runtime_runs(env, first.container_id, ep)
-        await _same_pod(env, w, first)
+        await runtime_runs(env, first.container_id, ep)
+        await same_pod(env, w, first)
         assert (await kubelet_facts(env.api, w)).ready is False  # still out of serving: its gate
         ws = await get_ws(env.api, w)
         assert asleep(ws) and ws is not None and ws["status"]["lastCapture"]["id"] == \
@@ -369,10 +266,10 @@ async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_
     load = Load(env.fe, concurrency=1, pause=0.5, max_tokens=2)
     sampler: list[asyncio.Task[None]] = []
     try:
-        await _cycle(env, w, tier, restarted_while_asleep, timed=False)
-        await _same_pod(env, w, first)
-        await _runtime_runs(env, first.container_id, ep)
-        await wait_for("the frontend and the peer Ready", lambda: _ready(env, others), timeout=90, interval=0.25)
+        await cycle(env, w, tier, restarted_while_asleep)
+        await same_pod(env, w, first)
+        await runtime_runs(env, first.container_id, ep)
+        await wait_for("the frontend and the peer Ready", lambda: all_ready(env, others), timeout=90, interval=0.25)
 
         async def answered_after() -> bool:
             # Three answers after the last not-Ready look (plus the lag), once kubelet has had the time to

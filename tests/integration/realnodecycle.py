@@ -1,0 +1,120 @@
+"""What the tests on the real node with dynsnap installed do to one worker, and the facts they read
+after: the manual override (as ``dynsnap suspend|wake`` sets it), a WorkerSnapshot waited for, a
+capture and a verified wake in place (``cycle``), the tier of the graph, a trickle of unpinned requests
+through the frontend, and the runtime's and kubelet's own account of the container (the same one,
+running, never restarted).
+
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+
+from controllerenv import Load, asleep, cond, verified_after
+from realnodeenv import Env
+from realnodefacts import KubeletFacts, containerd_task, get_ws, kubelet_facts, runc_state
+
+from dynsnap.k8s.client import Obj
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.real_graph import NodePod
+
+
+async def override(env: Env, w: NodePod, value: str) -> None:
+    await env.api.merge_patch(R.PODS, w.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: value}}},
+                              namespace=w.namespace)
+
+
+async def wait_ws(env: Env, w: NodePod, what: str, check: Callable[[Obj | None], bool], timeout: float = 240) -> Obj:
+    async def probe() -> Obj | None:
+        ws = await get_ws(env.api, w)
+        return ws if check(ws) else None
+    try:
+        got: Obj = await wait_for(f"{w.name}: {what}", probe, timeout=timeout, interval=0.5)
+    except TimeoutError:
+        print("LAST WORKERSNAPSHOT:", await get_ws(env.api, w))
+        raise
+    return got
+
+
+def seconds(record: Obj) -> float:
+    return (datetime.fromisoformat(record["finished"]) - datetime.fromisoformat(record["started"])).total_seconds()
+
+
+@contextlib.asynccontextmanager
+async def trickle(env: Env) -> AsyncIterator[Load]:
+    """Unpinned requests through the frontend all along: the peer serves them; none may fail."""
+    assert env.fe is not None
+    load = Load(env.fe, concurrency=1, pause=1.0, max_tokens=2)
+    load.start()
+    try:
+        yield load
+    finally:
+        await load.stop()
+    assert load.results and not load.failures(), load.failures()[:5]
+
+
+async def ready_is(env: Env, w: NodePod, ready: bool) -> bool:
+    return (await kubelet_facts(env.api, w)).ready is ready
+
+
+async def cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], Awaitable[None]], *,
+                timings: list[float] | None = None) -> Obj:
+    """Suspend ``w`` through the override, run ``while_asleep`` on its WorkerSnapshot, wake it; returns the
+    woken WorkerSnapshot once the controller has verified this wake and the pod is Ready again."""
+    before = (((await get_ws(env.api, w)) or {}).get("status") or {}).get("lastWake", {}).get("id")
+    await override(env, w, "suspended")
+    slept = await wait_ws(env, w, f"asleep ({tier})", asleep)
+    assert slept["status"]["lastCapture"]["ok"] is True and slept["status"]["lastCapture"]["tier"] == tier
+    # Out of serving only through the gate: kubelet's own readiness says so while the worker sleeps.
+    await wait_for(f"{w.name} not Ready while asleep", lambda: ready_is(env, w, False), timeout=60, interval=0.5)
+    await while_asleep(slept)
+    await override(env, w, "active")
+    woken = await wait_ws(env, w, "woken and verified", verified_after(before))
+    wake = woken["status"]["lastWake"]
+    assert wake["ok"] is True and wake["tier"] == tier
+    v = woken["status"]["controller"]["verification"]
+    dwm = await env.api.get(R.DWMS, w.name, namespace=w.namespace)
+    assert v["ok"] is True and v["answered"] == v["requests"] == 3 and v["workerId"] == instance_id_from_dwm(dwm)
+    verified = cond(woken, "Verified")
+    assert verified is not None and verified["status"] == "True" and verified["reason"] == "Verified"
+    await wait_for(f"{w.name} Ready again", lambda: ready_is(env, w, True), timeout=60, interval=0.5)
+    if timings is not None:
+        timings.append(seconds(wake))
+    return woken
+
+
+async def set_tier(env: Env, w: NodePod, tier: str) -> None:
+    assert env.graph is not None
+    await env.api.merge_patch(R.DGDS, env.graph.dgd["metadata"]["name"],
+                              {"metadata": {"annotations": {"dynsnap.io/tier": tier}}},
+                              namespace=env.graph.dgd["metadata"]["namespace"])
+    await wait_ws(env, w, f"tier {tier}", lambda ws: bool(ws and ws["spec"]["tier"] == tier), timeout=60)
+
+
+async def runtime_runs(env: Env, container_id: str, pid: int) -> None:
+    """runc and containerd report the container running, with its PID 1 the same process."""
+    state = await runc_state(env.node, container_id)
+    assert state["id"] == container_id and state["status"] == "running" and state["pid"] == pid, state
+    assert await containerd_task(env.node, container_id) == (pid, "RUNNING")
+
+
+async def same_pod(env: Env, w: NodePod, first: KubeletFacts) -> None:
+    now = await kubelet_facts(env.api, w)
+    assert (now.uid, now.ip, now.container_id, now.restart_count, now.running) == (
+        w.uid, w.ip, first.container_id, first.restart_count, True)
+
+
+
+async def all_ready(env: Env, pods: list[NodePod]) -> bool:
+    """Every one of ``pods`` Ready by kubelet's own account (its probes and the gate)."""
+    for p in pods:
+        live = await env.api.get(R.PODS, p.name, namespace=p.namespace)
+        if not any(c["type"] == "Ready" and c["status"] == "True" for c in live["status"].get("conditions") or []):
+            return False
+    return True

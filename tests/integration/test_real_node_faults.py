@@ -1,0 +1,360 @@
+"""Faults only a real node has (issue 19), on the node of realnodeenv.py (kubelet, containerd, runc;
+dynsnap installed by ``helm install``; examples/dgd/agg.yaml's workers), each ending with the worker
+serving or restorable and what happened said by a condition and an Event:
+
+- the agent's pod deleted (``kubectl delete pod``: the chart's grace period) in the middle of a
+  capture and in the middle of a wake; the DaemonSet's next pod finishes them. The agent runs its
+  dynsnap-cuda as its child in its own container: whether the helper outlived the pod is read from
+  /proc once the pod is gone, and the next agent's record must say what it found (here it never
+  does outlive it: the stopping agent kills the helpers it runs, and containerd what is left in the
+  cgroup of a container in the host's pid namespace);
+- a sleep of six minutes under Dynamo's own liveness settings (the example's: /live every 5 s,
+  failureThreshold 1), through a ``helm upgrade`` of the agent (its DaemonSet rolls the pod): no
+  liveness failure, no restart, the same container all along, and the wake done by the new agent;
+- ``kubectl delete pod`` of a sleeping worker: kubelet stops it, the operator's stand-in recreates
+  the pod of the same name (a new UID), the old captures are deleted and nothing is restored into the
+  new pod, which starts cold and serves.
+
+The stub driver (the GPU driver's stand-in, as everywhere off the GPU machine) holds the save or the
+resume call so that the agent is deleted while it is in flight: the one fault made on demand here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from controllerenv import asleep, cond, events_for, verified_after
+from helperprocs import Helper, helpers_for
+from realnodecycle import cycle, override, same_pod, set_tier, trickle, wait_ws
+from realnodeenv import NS, WORKER_COMPONENT, Env, running, upgrade
+from realnodefacts import KubeletFacts, container_procs, get_ws, kubelet_facts, stub_state
+from restart_faults import unhang
+
+from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.runtime import procfs
+from dynsnap.testenv import real_graph
+from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.real_graph import NodePod
+
+pytestmark = pytest.mark.cluster
+
+# The driver holds the call at most this long (it is let go once the old agent pod is gone): the pod is
+# deleted and its container stopped inside it (the chart's grace is 30 s; the agent stops at once on SIGTERM).
+HANG_MS = 30000
+ASLEEP_S = 360.0  # six minutes
+LIVENESS = {"periodSeconds": 5, "failureThreshold": 1}  # Dynamo's, as examples/dgd/agg.yaml ships them
+RUNNING, LOCKED, CHECKPOINTED = 0, 1, 2  # the stub driver's states
+
+
+@pytest.fixture(scope="module")
+async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    async with running(cluster, Path(tmp_path_factory.mktemp("real-node-faults")), tier="suspend") as e:
+        yield e
+
+
+def _worker(env: Env) -> NodePod:
+    assert env.graph is not None
+    return env.graph.workers(WORKER_COMPONENT)[0]
+
+
+async def _agent_pod(env: Env) -> Obj:
+    pods = [p for p in await env.chart_pods("agent") if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+async def _delete_agent_pod(env: Env, *, gone: Callable[[], None] = lambda: None) -> tuple[Obj, Obj]:
+    """``kubectl delete pod`` of the node's agent (the chart's grace period); ``gone`` is called once the
+    old pod is gone (kubelet stopped its container); returns (the old pod, the DaemonSet's next one)
+    once the next one is Ready."""
+    old = await _agent_pod(env)
+    await env.api.delete(R.PODS, old["metadata"]["name"], namespace=NS)
+
+    async def old_gone() -> bool:
+        return all(p["metadata"]["uid"] != old["metadata"]["uid"] for p in await env.chart_pods("agent"))
+    await wait_for("the agent's old pod gone", old_gone, timeout=120, interval=0.2)
+    gone()
+
+    async def next_ready() -> Obj | None:
+        pods = await env.chart_pods("agent")
+        ready = len(pods) == 1 and any(c["type"] == "Ready" and c["status"] == "True"
+                                       for c in pods[0]["status"].get("conditions") or [])
+        return pods[0] if ready else None
+    new: Obj = await wait_for("the DaemonSet's next agent pod Ready", next_ready, timeout=180, interval=0.5)
+    return old, new
+
+
+def _pidns(pid: int) -> int:
+    ino = procfs.pid_ns(pid)
+    assert ino is not None
+    return ino
+
+
+def _helpers(ep: int, op: str) -> list[Helper]:
+    return [h for h in helpers_for(_pidns(ep), ep) if h.op == op]
+
+
+async def _helper_running(ep: int, op: str) -> bool:
+    return bool(_helpers(ep, op))
+
+
+def _steps(rec: Obj) -> list[str]:
+    return [s["name"] for s in rec["steps"]]
+
+
+async def _agent_events(env: Env, w: NodePod, reason: str, since: float) -> list[Obj]:
+    """The agent's Events about the worker's WorkerSnapshot with ``reason``, first seen after ``since``."""
+    out = []
+    for e in await events_for(env.api, w.namespace, w.name):
+        t = e.get("eventTime") or e.get("deprecatedLastTimestamp") or ""
+        if e.get("reason") == reason and e.get("reportingController") == f"{P.DYNSNAP_GROUP}/agent" and t \
+                and datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp() >= since - 1:
+            out.append(e)
+    return out
+
+
+async def _deleted_mid(env: Env, ep: int, op: str) -> list[Helper]:
+    """The agent's pod deleted while its ``op`` helper is held in the driver, which lets the call go
+    once the old pod is gone; returns those of the old agent's ``op`` helpers that outlived its pod."""
+    await wait_for(f"the agent's {op} helper running", lambda: _helper_running(ep, op), timeout=120, interval=0.2)
+    held = _helpers(ep, op)
+    outlived: list[Helper] = []
+
+    def gone() -> None:
+        outlived.extend(h for h in held if (st := procfs.status(h.pid)) is not None and st.state not in ("Z", "X"))
+        unhang(env.driver)  # what is still to come goes through at once
+    old, new = await _delete_agent_pod(env, gone=gone)
+    print(f"\nagent pod {old['metadata']['name']} deleted mid-{op}: {len(outlived)} of its {len(held)} {op} "
+          f"helper(s) outlived it; next agent pod {new['metadata']['name']}")
+    return outlived
+
+
+async def test_agent_pod_deleted_mid_capture_the_next_agent_pod_finishes_it(env: Env) -> None:
+    """Tier suspend: the driver holds the save's checkpoint call once every GPU process is locked; the
+    agent's pod is deleted. If its helper went with its container, the GPU process is left locked with
+    no one at work: the next agent pod names that (Degraded: recovered from Interrupted, GPU processes found
+    locked; a Warning Event Interrupted), rolls the GPU back and saves again, and the worker sleeps, the
+    same container never restarted (a helper that outlived its pod would be waited for instead); then it
+    wakes in place, verified."""
+    w = _worker(env)
+    await set_tier(env, w, "suspend")
+    first = await kubelet_facts(env.api, w)
+    procs = container_procs(w.uid, first.container_id)
+    ep, root = procs.entrypoint, procs.root
+    before = (((await get_ws(env.api, w)) or {}).get("status") or {}).get("lastCapture", {}).get("id")
+    since = time.time()
+    env.driver.control(f"hang cuCheckpointProcessCheckpoint * {HANG_MS}")
+    try:
+        async with trickle(env):
+            await override(env, w, "suspended")
+            left = await _deleted_mid(env, ep, "save")
+            ws = await wait_ws(env, w, "asleep, the capture settled by the next agent", lambda ws: asleep(ws) and bool(
+                ws and ws["status"]["lastCapture"]["id"] != before and ws["status"]["lastCapture"].get("finished")))
+            rec = ws["status"]["lastCapture"]
+            assert rec["ok"] is True and rec["tier"] == "suspend", rec
+            if left:  # the helper outlived its agent: the next one waited for it
+                assert _steps(rec) == ["quiesce", "wait-helper", "settle-suspended"], rec
+            else:
+                assert _steps(rec) == ["quiesce", "gpu-rollback", "save", "settle-suspended"], rec
+                degraded = cond(ws, "Degraded")
+                assert degraded is not None and degraded["message"].startswith(
+                    f"recovered from {P.Reason.INTERRUPTED.value}: GPU processes found"), degraded
+                assert "locked" in degraded["message"], degraded
+                assert await _agent_events(env, w, P.Reason.INTERRUPTED.value, since)
+            assert stub_state(env.driver, root) == CHECKPOINTED
+            await same_pod(env, w, first)
+            await override(env, w, "active")
+            woken = await wait_ws(env, w, "woken and verified", verified_after(None))
+            assert woken["status"]["lastWake"]["ok"] is True
+        assert stub_state(env.driver, root) == RUNNING and container_procs(w.uid, first.container_id).root == root
+        await same_pod(env, w, first)
+    finally:
+        env.driver.clear_faults()
+
+
+async def test_agent_pod_deleted_mid_wake_the_next_agent_pod_finishes_it(env: Env) -> None:
+    """Tier snapshot: asleep, then woken; CRIU has put the tree back and the driver holds the resume's
+    restore call when the agent's pod is deleted. The next agent pod finds the restored tree's GPU
+    process still checkpointed and resumes it (or waits for a helper that outlived its agent), and the
+    wake finishes in place: the same container, verified by pinned requests."""
+    w = _worker(env)
+    await set_tier(env, w, "snapshot")
+    first = await kubelet_facts(env.api, w)
+    ep = container_procs(w.uid, first.container_id).entrypoint
+    await override(env, w, "suspended")
+    slept = await wait_ws(env, w, "asleep (snapshot)", asleep)
+    before = slept["status"].get("lastWake", {}).get("id")
+    env.driver.control(f"hang cuCheckpointProcessRestore * {HANG_MS}")
+    try:
+        async with trickle(env):
+            await override(env, w, "active")
+            left = await _deleted_mid(env, ep, "resume")
+            woken = await wait_ws(env, w, "woken by the next agent and verified", verified_after(before))
+            wake = woken["status"]["lastWake"]
+            assert wake["ok"] is True and wake["tier"] == "snapshot", wake
+            if left:
+                assert _steps(wake) == ["wake", "restore", "wait-helper", "settle-active"], wake
+            else:
+                assert _steps(wake) == ["wake", "restore", "resume", "settle-active"], wake
+        await same_pod(env, w, first)
+        now = container_procs(w.uid, first.container_id)
+        assert now.entrypoint == ep and stub_state(env.driver, now.root) == RUNNING
+        assert not Path(slept["status"]["image"]["path"]).exists()  # the capture restored, then deleted
+    finally:
+        env.driver.clear_faults()
+
+
+async def test_six_minutes_asleep_under_dynamos_liveness_settings_through_a_helm_upgrade(env: Env) -> None:
+    """Tier snapshot, six minutes asleep with the example's liveness probe (/live on the entrypoint every
+    5 s, failureThreshold 1: one failed probe restarts the container): ``helm upgrade`` of the agent in
+    the first minute rolls its pod; every 5 s kubelet still reports the same container, running, never
+    restarted, not Ready (the gate); no liveness failure and no kill in the pod's Events; the WorkerSnapshot
+    keeps its capture; then the next agent wakes it in place, verified."""
+    assert env.graph is not None
+    w = _worker(env)
+    example = next(c for c in env.graph.dgd["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+    main = next(c for c in example["podTemplate"]["spec"]["containers"] if c["name"] == "main")
+    assert {k: main["livenessProbe"][k] for k in LIVENESS} == LIVENESS
+    await set_tier(env, w, "snapshot")
+    first = await kubelet_facts(env.api, w)
+    ep = container_procs(w.uid, first.container_id).entrypoint
+    looks: list[KubeletFacts] = []
+    agents: list[str] = []
+
+    async def six_minutes(slept: Obj) -> None:
+        t0 = time.monotonic()
+        old = await _agent_pod(env)
+        values = copy.deepcopy(env.values)
+        values["agent"].setdefault("podAnnotations", {})["dynsnap.test/upgraded"] = "1"
+        await upgrade(env, values)
+        new = await _agent_pod(env)
+        assert new["metadata"]["uid"] != old["metadata"]["uid"], "helm upgrade rolled the agent's pod"
+        agents.append(new["metadata"]["name"])
+        for _ in range(200):  # every 5 s for six minutes (bounded)
+            if time.monotonic() - t0 >= ASLEEP_S:
+                break
+            now = await kubelet_facts(env.api, w)
+            looks.append(now)
+            assert (now.container_id, now.restart_count, now.running, now.ready) == (
+                first.container_id, first.restart_count, True, False), now
+            assert procfs.status(ep) is not None, "the container's PID 1 is the same process"
+            ws = await get_ws(env.api, w)
+            assert asleep(ws) and ws is not None and ws["status"]["lastCapture"]["id"] == \
+                slept["status"]["lastCapture"]["id"]
+            await asyncio.sleep(5)
+        assert time.monotonic() - t0 >= ASLEEP_S
+
+    async with trickle(env):
+        await cycle(env, w, "snapshot", six_minutes)
+    await same_pod(env, w, first)
+    killed = [e for e in await events_for(env.api, w.namespace, w.name)
+              if e.get("reason") == "Killing" or "Liveness probe failed" in (e.get("note") or "")]
+    assert not killed, killed
+    print(f"\nasleep {ASLEEP_S:.0f} s under /live every 5 s: {len(looks)} looks, the same container, restartCount "
+          f"{first.restart_count}; woken by {agents[0]}")
+    now_agent = await _agent_pod(env)  # the node's only agent since the upgrade: the wake was its own
+    assert now_agent["metadata"]["name"] == agents[0] and now_agent["status"]["containerStatuses"][0][
+        "restartCount"] == 0, now_agent["status"]
+
+
+async def _replaced_event(env: Env, new: NodePod) -> Obj | None:
+    for e in await events_for(env.api, new.namespace, new.name):
+        if e.get("reason") == P.Reason.POD_REPLACED.value and new.uid in (e.get("note") or ""):
+            return e
+    return None
+
+
+async def _own_instance(env: Env, pod: NodePod) -> int | None:
+    try:
+        dwm = await env.api.get(R.DWMS, pod.name, namespace=pod.namespace)
+    except NotFound:
+        return None
+    if pod.uid not in {o["uid"] for o in dwm["metadata"].get("ownerReferences") or []}:
+        return None
+    try:
+        return instance_id_from_dwm(dwm)
+    except ValueError:  # applied before its endpoints are
+        return None
+
+
+async def _ws_gone(env: Env, ws: Obj) -> bool:
+    try:
+        live = await env.api.get(R.WORKER_SNAPSHOTS, ws["metadata"]["name"], namespace=ws["metadata"]["namespace"])
+    except NotFound:
+        return True
+    return bool(live["metadata"]["uid"] != ws["metadata"]["uid"])
+
+
+def _until(what: str, check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        return check()
+    probe.__name__ = what
+    return probe
+
+
+async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the_new_pod(env: Env) -> None:
+    """Tier snapshot, asleep; ``kubectl delete pod`` (its grace period): kubelet stops the container, the
+    operator's stand-in recreates the pod of the same name with a new UID. kubelet says it stopped the
+    container (Event Killing); the old WorkerSnapshot goes with its pod (the garbage collector, or the
+    controller's PodReplaced when it sees the new pod first), the agent deletes the old UID's images, and
+    the new pod starts cold: its own container, no capture, no wake, no GPU restore, its
+    gate set and Ready, requests pinned to it answered by it; no unpinned request failed."""
+    assert env.graph is not None and env.fe is not None
+    old = _worker(env)
+    await set_tier(env, old, "snapshot")
+    first = await kubelet_facts(env.api, old)
+    await override(env, old, "suspended")
+    slept = await wait_ws(env, old, "asleep (snapshot)", asleep)
+    old_dir = env.paths.images / f"{old.namespace}_{old.name}_{old.uid}"
+    assert Path(slept["status"]["image"]["path"]).parent == old_dir and old_dir.is_dir()
+    calls = len(env.driver.calls())
+    async with trickle(env):
+        await env.api.delete(R.PODS, old.name, namespace=old.namespace)
+        new = await real_graph.recreate(env.api, env.graph, old)
+        assert new.name == old.name and new.uid != old.uid
+        # The old WorkerSnapshot goes: the garbage collector deletes it with its pod (its owner), or, when the
+        # new pod is seen first, the controller does (Event PodReplaced: the old capture never restored).
+        await wait_for("the old pod's WorkerSnapshot deleted", lambda: _ws_gone(env, slept), timeout=90, interval=0.5)
+        if (ev := await _replaced_event(env, new)) is not None:
+            assert old.uid in ev["note"] and "never restored" in ev["note"], ev
+        ws = await wait_ws(env, new, "a WorkerSnapshot for the new pod, Active", lambda ws: bool(
+            ws and ws["spec"]["podUID"] == new.uid and (ws.get("status") or {}).get("state") == "Active"))
+        assert ws["metadata"]["uid"] != slept["metadata"]["uid"]
+        await wait_for("the old pod's images deleted by the agent", _until("gone", lambda: not old_dir.exists()),
+                       timeout=90, interval=0.5)
+        iid: int = await wait_for("the new pod's DWM, owned by it", lambda: _own_instance(env, new), timeout=90,
+                                  interval=0.5)
+        await env.fe.wait_routable(iid, timeout=120)
+        for i in range(3):
+            res = await env.fe.chat(f"cold {i}", worker_id=iid, max_tokens=2)
+            assert res.status == 200 and res.worker_id == iid, res.body
+    # kubelet's account of the deletion: it stopped the old pod's container (Event Killing, about that pod).
+    killing = [e for e in await events_for(env.api, old.namespace, old.name) if e.get("reason") == "Killing"
+               and (e.get("regarding") or {}).get("uid") == old.uid]
+    assert killing and "main" in killing[0].get("note", ""), killing
+    now = await kubelet_facts(env.api, new)
+    assert now.uid == new.uid and now.container_id != first.container_id and now.restart_count == 0 and now.ready
+    cold = await get_ws(env.api, new)
+    assert cold is not None and cold["spec"]["desiredState"] == "Active", cold
+    st = cold["status"]
+    assert not st.get("lastWake") and not st.get("lastCapture") and not st.get("image"), st
+    assert not (env.paths.images / f"{new.namespace}_{new.name}_{new.uid}").exists()
+    root = container_procs(new.uid, now.container_id).root
+    assert stub_state(env.driver, root) == RUNNING
+    restored = [c for c in env.driver.calls()[calls:] if c.startswith(("cuCheckpointProcessRestore",
+                                                                       "cuCheckpointProcessUnlock"))]
+    assert not restored, restored
+    agent = (await _agent_pod(env))["metadata"]["name"]
+    logs = [f.read_text(errors="replace") for f in env.node.layout.pod_logs.glob(f"{NS}_{agent}_*/agent/*.log")]
+    assert any("deleted images of pods gone from this node" in t and str(old_dir) in t for t in logs), \
+        "the agent's image GC said which images it deleted (its log, as kubelet keeps it)"
