@@ -76,6 +76,7 @@ WOR_FAILED = WOR + "test_a_failed_wake_on_request_ends_its_request_with_an_error
 PROCFS = "dynsnap/runtime/procfs.py"
 U_FIND = "tests/unit/test_agent_find_worker.py::"
 U_PROCFS = "tests/unit/test_procfs.py::"
+U_CGROUP = "tests/unit/test_agent_cgroup_check.py::"
 # issue 18: the trust boundary with a container, and the helper registry
 U_CONTAINER = "tests/unit/test_agent_container.py::"
 U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
@@ -360,6 +361,13 @@ MUTATIONS = (
         "            why = await self.executor.stop_worker(obs)\n",
         "            why = \"not stopped\"\n",
         tests=[WOR_FAILED]),
+    # -- issue 19: a restored tree runs in its container's cgroups --------------------------------------
+    mutation(
+        "restored-cgroups-unchecked", "a tree CRIU restored outside its container's cgroups is woken (not "
+        "compared with the container's PID 1, not killed)", WAKE_STEPS,
+        "    wrong = CG.check(w.entrypoint, [p.pid for p in tree], ex.proc) if tree else []\n",
+        "    wrong: list[str] = []\n",
+        tests=[U_CGROUP + "test_a_tree_restored_outside_its_container_is_killed_and_the_capture_kept"]),
 )
 
 SUITE = Suite(

@@ -14,12 +14,15 @@ broke mid-way; the next steps roll back) both come back as a :class:`StepFailure
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -47,6 +50,7 @@ from dynsnap.agent.steps import (
     Subject,
     no_gate,
 )
+from dynsnap.models.ids import HostPid
 from dynsnap.models.protocol import DesiredState, EntrypointState, Reason, Tier
 from dynsnap.runtime import procfs
 from dynsnap.runtime.procfs import PROC
@@ -57,6 +61,8 @@ __all__ = ["GPU_FILE", "HANDLERS", "PIDS_FILE", "Executor", "Observation", "Serv
 log = logging.getLogger(__name__)
 
 StepHandler = Callable[["Executor", StepCall], Awaitable[None]]
+# How long a killed tree is waited for (SIGKILL ends a process at once unless it is stuck in the kernel).
+KILL_WAIT = 10.0
 
 
 class Executor:
@@ -189,18 +195,47 @@ class Executor:
         host = next((p.pid for p in w.procs if p.ns_pid == root and p.ppid == w.entrypoint), None)
         if host is None:
             return "no worker process to stop"
+
+        def still_the_worker() -> bool:
+            st = procfs.status(host, self.proc)
+            return st is not None and st.ppid == w.entrypoint and procfs.pid_ns(host, self.proc) == w.pidns
         try:
-            fd = os.pidfd_open(host)
+            fd = sigkill_pinned(host, still_the_worker)
         except OSError as e:
             return f"worker pid {host} not stopped: {e.strerror}"
-        try:
-            st = procfs.status(host, self.proc)  # still that process (the pidfd pins it from here on)
-            if st is None or st.ppid != w.entrypoint or procfs.pid_ns(host, self.proc) != w.pidns:
-                return f"worker pid {host} not stopped: it is no longer the worker"
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        finally:
-            os.close(fd)
+        if fd is None:
+            return f"worker pid {host} not stopped: it is no longer the worker"
+        os.close(fd)
         return f"worker pid {host} stopped (SIGKILL): its container restarts it cold"
+
+    async def kill_tree(self, w: W.WorkerProcs, procs: Sequence[procfs.ProcStatus], *,
+                        timeout: float = KILL_WAIT) -> list[HostPid]:
+        """SIGKILL each of ``procs`` (a restored tree, as :func:`dynsnap.agent.cgroup_check.restored`
+        listed it), each through a pidfd opened and checked first as :meth:`stop_worker` does: still
+        the process listed (the same pids in every namespace) and never the container's PID 1. Then
+        wait, within ``timeout`` seconds, for every one signalled to have exited, so that the next look
+        at the node sees the tree gone (its zombies are the entrypoint's, its subreaper, to reap). The
+        host pids signalled."""
+        fds: dict[HostPid, int] = {}
+        try:
+            for listed in procs:
+                if listed.pid == w.entrypoint:
+                    continue
+
+                def same(listed: procfs.ProcStatus = listed) -> bool:
+                    st = procfs.status(listed.pid, self.proc)
+                    return st is not None and st.nspid == listed.nspid and st.state not in ("Z", "X")
+                with contextlib.suppress(OSError):  # gone since it was listed: nothing to kill
+                    fd = sigkill_pinned(listed.pid, same)
+                    if fd is not None:
+                        fds[listed.pid] = fd
+            left = await _wait_exited(fds, timeout)
+            if left:
+                log.warning("restored processes %s still run %.0f s after SIGKILL", left, timeout)
+            return sorted(fds)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     async def request(self, obs: Observation, state: EntrypointState) -> dict[str, Any]:
         """Ask the worker's entrypoint for ``state``; its control file once it acknowledged it."""
@@ -210,6 +245,44 @@ class Executor:
             raise StepFailure(e.reason, str(e)) from e
         except EntrypointError as e:
             raise StepFailure(Reason.ENTRYPOINT_UNRESPONSIVE, str(e)) from e
+
+
+def sigkill_pinned(pid: int, ours: Callable[[], bool]) -> int | None:
+    """SIGKILL ``pid`` through a pidfd, once ``ours()`` said it is still the process meant, asked with
+    the process pinned by that pidfd (a pid reused meanwhile fails the check and gets no signal). The
+    pidfd, still open (the caller closes it; it turns readable once the process has exited), or None
+    (closed) when ``ours()`` said no. An OSError when no pidfd can be opened (the process is gone)."""
+    fd = os.pidfd_open(pid)
+    try:
+        if not ours():
+            os.close(fd)
+            return None
+        with contextlib.suppress(ProcessLookupError):  # it exited since the check: as good as killed
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+async def _wait_exited(fds: Mapping[HostPid, int], timeout: float) -> list[HostPid]:
+    """Wait until each pidfd of ``fds`` is readable (its process exited), within ``timeout`` seconds;
+    the pids still running then."""
+    poller = select.poll()
+    for fd in fds.values():
+        poller.register(fd, select.POLLIN)
+    left = dict(fds)
+    deadline = time.monotonic() + timeout
+    while left:
+        done = {fd for fd, _ in poller.poll(0)}
+        for pid, fd in list(left.items()):
+            if fd in done:
+                poller.unregister(fd)
+                del left[pid]
+        if not left or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.02)
+    return sorted(left)
 
 
 async def _none(ex: Executor, c: StepCall) -> None:

@@ -1,6 +1,7 @@
 """The steps of a wake: the entrypoint to ``restoring``; for tier snapshot the restore (CRIU puts the
-tree back into the same pod, at the same pids, after the pid and free-GPU-memory checks; after a long
-sleep the worker's API-server connections are reset); the resume (restore + unlock of every GPU process
+tree back into the same pod, at the same pids, after the pid and free-GPU-memory checks; every restored
+process must then be in the container's cgroups, or the tree is killed; after a long sleep the worker's
+API-server connections are reset); the resume (restore + unlock of every GPU process
 by one helper) or the unlock of processes left locked; the settle to ``active``; and, when nothing can
 bring the worker back in place, the give-up.
 
@@ -16,13 +17,14 @@ import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from dynsnap.agent import cgroup_check as CG
 from dynsnap.agent import worker as W
 from dynsnap.agent.container import ContainerRefused
 from dynsnap.agent.criu import CriuError, NamespaceTarget, criu_restore, image_pids
 from dynsnap.agent.cuda import CudaError
 from dynsnap.agent.entrypoint_control import EntrypointError
 from dynsnap.agent.steps import PIDS_FILE, StepCall, StepFailure
-from dynsnap.models.ids import NsPid
+from dynsnap.models.ids import HostPid, NsPid
 from dynsnap.models.protocol import EntrypointState, Reason
 from dynsnap.runtime import procfs
 from dynsnap.runtime.command import CommandError, find_tool, run_command
@@ -31,6 +33,11 @@ if TYPE_CHECKING:
     from dynsnap.agent.executor import Executor
 
 log = logging.getLogger(__name__)
+
+# A tree restored outside its container: killed in at most this many rounds (each lists it again),
+# and this many of its misplaced hierarchies named in the failure.
+KILL_ROUNDS = 3
+MISPLACED_SHOWN = 8
 
 
 async def wake(ex: Executor, c: StepCall) -> None:
@@ -74,10 +81,39 @@ async def restore(ex: Executor, c: StepCall) -> None:
     c.info["source"] = str(source)
     # How CRIU read the pages back: threads (hack/patches/criu/0002) or stock's loop (None)
     c.info["pagesRead"] = vars(res.pages_read) if res.pages_read else None
+    await in_container_or_killed(ex, c, w, NsPid(res.pid))
     slept = _seconds_since(meta.get("created"))
     limit = ex.settings.reset_apiserver_connections_after
     if limit and slept is not None and slept > limit:
         c.info["apiserverConnectionsReset"] = await reset_apiserver_connections(ex, w, NsPid(res.pid))
+
+
+async def in_container_or_killed(ex: Executor, c: StepCall, w: W.WorkerProcs, root: NsPid) -> None:
+    """Every process of the tree just restored (its root at ``root`` in the pod's pid namespace, and
+    every process the restore added there) in the container's cgroups (:mod:`dynsnap.agent.cgroup_check`),
+    or the tree is killed and the step fails (``RestoredOutsideContainer``): a worker that escaped its
+    container's memory and pids limits is never woken. The capture is kept, so the worker stays
+    restorable (the entrypoint stays ``restoring``, the tree gone: the planner's next step is this
+    restore again, after the failure backoff). ``cgroupsChecked``: how many processes were compared
+    (none when the restored tree has exited already: the next look sees it gone)."""
+    tree = CG.restored(w, root, ex.proc)
+    wrong = CG.check(w.entrypoint, [p.pid for p in tree], ex.proc) if tree else []
+    c.info["cgroupsChecked"] = len(tree)
+    if not wrong:
+        return
+    killed: list[HostPid] = []
+    for _ in range(KILL_ROUNDS):  # a child forked before its parent died is orphaned, not killed with it
+        if not tree:
+            break
+        killed += await ex.kill_tree(w, tree)
+        tree = CG.restored(w, root, ex.proc)
+    shown = "; ".join(wrong[:MISPLACED_SHOWN]) + (f"; and {len(wrong) - MISPLACED_SHOWN} more"
+                                                 if len(wrong) > MISPLACED_SHOWN else "")
+    left = f"; {len(tree)} still running ({', '.join(str(p.pid) for p in tree)})" if tree else ""
+    raise StepFailure(Reason.RESTORED_OUTSIDE_CONTAINER,
+                      f"the restored tree (root {root} in the pod's pid namespace) runs outside its container's "
+                      f"cgroups (those of the container's PID 1, host pid {w.entrypoint}): {shown}. Killed "
+                      f"(SIGKILL): host pids {sorted(set(killed))}{left}; the capture is kept to restore from")
 
 
 async def reset_apiserver_connections(ex: Executor, w: W.WorkerProcs, root: NsPid) -> int:

@@ -208,6 +208,7 @@ class Reason(StrEnum):
     DISK_FULL = "DiskFull"
     INCOMPLETE_CAPTURE = "IncompleteCapture"
     CRIU_RESTORE_FAILED = "CriuRestoreFailed"
+    RESTORED_OUTSIDE_CONTAINER = "RestoredOutsideContainer"
     INTERRUPTED = "Interrupted"
     WORKER_LOST = "WorkerLost"
     POD_GONE = "PodGone"

@@ -241,6 +241,19 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "CRIU's restore in place failed; the message carries the tail of CRIU's log.",
         "The agent retries after its backoff; if the tree cannot come back, the container restarts cold "
         "(`WorkerLost`)."),
+    Reason.RESTORED_OUTSIDE_CONTAINER: ReasonDoc(
+        FAILED, "failure", "`Degraded=True`, `status.lastError` (agent); a snapshot wake",
+        "CRIU restored the tree, but a restored process is not in its container's cgroups (those of the "
+        "container's PID 1, dynsnap-entrypoint, in every hierarchy: cgroup v1 and v2): it would escape the "
+        "container's memory and pids limits. The agent killed the restored tree (SIGKILL) at once, before its "
+        "GPU processes were resumed or the worker was put back into serving; the capture is kept, so the "
+        "worker stays restorable (`state: Waking`). The message names each process (host pid), hierarchy, "
+        "the cgroup it was in and the container's.",
+        "The agent retries after its backoff and fails alike while the cause stays. CRIU puts each process "
+        "back into the cgroups it was dumped from, as the worker's cgroup namespace shows them (CRIU runs "
+        "in it); a process found in the agent's own cgroups or another pod's means that did not happen: "
+        "report it with the agent's log and CRIU's `restore.log` in the capture's directory. The controller's "
+        "`--wake-timeout` ends a wake that keeps failing (`WakeFailed`, then `on-failed-wake`)."),
     Reason.INTERRUPTED: ReasonDoc(
         FAILED, "failure", "`Degraded=True`, `status.lastError`; Warning Event (agent)",
         "An agent (or its helper) died mid-step, or a step raised an unexpected error: GPU processes were "

@@ -93,6 +93,51 @@ def cgroup_paths(pid: int, proc: Path = PROC) -> list[str]:
     return [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2]
 
 
+# /proc/<pid>/cgroup is read up to this: a line per hierarchy, each path at most PATH_MAX (4096).
+CGROUP_READ_BOUND = 64 * 1024
+# One line of it, as the kernel writes it: hierarchy id, controllers (a v1 named hierarchy's
+# name=<name>; none for the unified v2 one), path (always absolute: "/.." first for a cgroup outside
+# the reader's cgroup namespace).
+_CGROUP_LINE = re.compile(r"([0-9]+):([^:]*):(/.*)")
+
+
+class CgroupsUnreadable(ValueError):
+    """A /proc/<pid>/cgroup that is no list of hierarchies to trust (too large, a line out of the
+    kernel's form, a hierarchy twice): the message says which."""
+
+
+def cgroups(pid: int, proc: Path = PROC) -> dict[str, str] | None:
+    """The process's cgroup in each hierarchy, as ``/proc/<pid>/cgroup`` lists them: controllers
+    (``memory``, ``cpu,cpuacct``, ``name=systemd``; ``""`` for the unified v2 one) to path, both as
+    data (never resolved, undecodable bytes kept apart by ``surrogateescape``). None when the process
+    is gone. A cgroup's name may hold any byte but ``/``, a newline too, so a name can end one line
+    and start another: a file past CGROUP_READ_BOUND, a line out of the kernel's form, or a hierarchy
+    (by id or by controllers) listed twice raises :class:`CgroupsUnreadable` rather than yield
+    hierarchies a container wrote."""
+    try:
+        with open(proc / str(pid) / "cgroup", "rb") as f:
+            raw = f.read(CGROUP_READ_BOUND + 1)
+    except OSError:
+        return None
+    if len(raw) > CGROUP_READ_BOUND:
+        raise CgroupsUnreadable(f"/proc/{pid}/cgroup is larger than {CGROUP_READ_BOUND} bytes")
+    text = raw.decode(errors="surrogateescape")
+    if text and not text.endswith("\n"):
+        raise CgroupsUnreadable(f"/proc/{pid}/cgroup does not end with a newline")
+    out: dict[str, str] = {}
+    ids: set[str] = set()
+    for line in text.split("\n")[:-1]:
+        m = _CGROUP_LINE.fullmatch(line)
+        if m is None:
+            raise CgroupsUnreadable(f"/proc/{pid}/cgroup: {line[:300]!r} is no <id>:<controllers>:<path> line")
+        hid, controllers, path = m.groups()
+        if hid in ids or controllers in out:
+            raise CgroupsUnreadable(f"/proc/{pid}/cgroup lists hierarchy {hid}:{controllers} twice")
+        ids.add(hid)
+        out[controllers] = path
+    return out
+
+
 @dataclass(frozen=True)
 class PodCgroup:
     """A cgroup path of kubelet's, read by its components: the pod it is under and, when the path
