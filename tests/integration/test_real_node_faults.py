@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -174,7 +174,8 @@ async def test_agent_pod_deleted_mid_capture_the_next_agent_pod_finishes_it(env:
             assert stub_state(env.driver, root) == CHECKPOINTED
             await same_pod(env, w, first)
             await override(env, w, "active")
-            woken = await wait_ws(env, w, "woken and verified", verified_after(None))
+            last_wake = ws["status"].get("lastWake", {}).get("id")
+            woken = await wait_ws(env, w, "woken and verified", verified_after(last_wake))
             assert woken["status"]["lastWake"]["ok"] is True
         assert stub_state(env.driver, root) == RUNNING and container_procs(w.uid, first.container_id).root == root
         await same_pod(env, w, first)
@@ -258,7 +259,8 @@ async def test_six_minutes_asleep_under_dynamos_liveness_settings_through_a_helm
         await cycle(env, w, "snapshot", six_minutes)
     await same_pod(env, w, first)
     killed = [e for e in await events_for(env.api, w.namespace, w.name)
-              if e.get("reason") == "Killing" or "Liveness probe failed" in (e.get("note") or "")]
+              if (e.get("regarding") or {}).get("uid") == w.uid
+              and (e.get("reason") == "Killing" or "Liveness probe failed" in (e.get("note") or ""))]
     assert not killed, killed
     print(f"\nasleep {ASLEEP_S:.0f} s under /live every 5 s: {len(looks)} looks, the same container, restartCount "
           f"{first.restart_count}; woken by {agents[0]}")
@@ -295,13 +297,6 @@ async def _ws_gone(env: Env, ws: Obj) -> bool:
     return bool(live["metadata"]["uid"] != ws["metadata"]["uid"])
 
 
-def _until(what: str, check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
-    async def probe() -> bool:
-        return check()
-    probe.__name__ = what
-    return probe
-
-
 async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the_new_pod(env: Env) -> None:
     """Tier snapshot, asleep; ``kubectl delete pod`` (its grace period): kubelet stops the container, the
     operator's stand-in recreates the pod of the same name with a new UID. kubelet says it stopped the
@@ -330,8 +325,9 @@ async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the
         ws = await wait_ws(env, new, "a WorkerSnapshot for the new pod, Active", lambda ws: bool(
             ws and ws["spec"]["podUID"] == new.uid and (ws.get("status") or {}).get("state") == "Active"))
         assert ws["metadata"]["uid"] != slept["metadata"]["uid"]
-        await wait_for("the old pod's images deleted by the agent", _until("gone", lambda: not old_dir.exists()),
-                       timeout=90, interval=0.5)
+        async def collected() -> bool:
+            return not old_dir.exists()
+        await wait_for("the old pod's images deleted by the agent", collected, timeout=90, interval=0.5)
         iid: int = await wait_for("the new pod's DWM, owned by it", lambda: _own_instance(env, new), timeout=90,
                                   interval=0.5)
         await env.fe.wait_routable(iid, timeout=120)
