@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # -v is for dynsnap's own decisions: httpcore's dozen DEBUG lines per HTTP request (and asyncio's) would
+    # bury them (an agent scraping its workers every second); httpx still logs each request at INFO.
+    for name in ("httpcore", "asyncio"):
+        logging.getLogger(name).setLevel(logging.INFO)
     if args.command == "demo":
         from dynsnap.demo import run_demo
 
