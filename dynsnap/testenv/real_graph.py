@@ -144,11 +144,16 @@ async def teardown(api: Kube, graph: Graph, *, timeout: float = 120) -> None:
     await wait_for(f"DGD {ns}/{name} and its pods gone", gone, timeout=timeout, interval=0.5)
 
 
-async def recreate(api: Kube, graph: Graph, pod: NodePod, *, timeout: float = 180) -> NodePod:
+async def recreate(api: Kube, graph: Graph, pod: NodePod, *, driver: StubDriver, pid_ns: int,
+                   timeout: float = 180) -> NodePod:
     """What the Dynamo operator does once a worker pod of its graph is deleted (by a person, ``kubectl
     delete pod``): after the pod is gone (kubelet stopped its containers and the API server removed it)
     a pod of the same name from the DGD's current component template, on the same node, with a new UID.
-    The new incarnation replaces the old one in ``graph.pods`` and is returned once kubelet runs it."""
+    The new incarnation replaces the old one in ``graph.pods`` and is returned once kubelet runs it.
+
+    Once the old pod is gone, and before the new one exists, the stub driver forgets the processes of the
+    old pod's pid namespace ``pid_ns`` (StubDriver.forget_pid_namespace: the real driver's state lived in
+    those processes); kept, a new pid namespace given the same inode number would inherit it."""
     comp_name = next(c for c, ps in graph.pods.items() if any(p.name == pod.name for p in ps))
     dgd = await api.get(R.DGDS, graph.dgd["metadata"]["name"], namespace=graph.dgd["metadata"]["namespace"])
     comp = next(c for c in stub_operator.components(dgd) if c["name"] == comp_name)
@@ -162,6 +167,7 @@ async def recreate(api: Kube, graph: Graph, pod: NodePod, *, timeout: float = 18
             return True
         return bool(live["metadata"]["uid"] != pod.uid)
     await wait_for(f"pod {pod.namespace}/{pod.name} ({pod.uid}) gone", gone, timeout=timeout, interval=0.5)
+    driver.forget_pid_namespace(pid_ns)
     await api.create(R.PODS, body)
     live = await wait_for(f"pod {pod.namespace}/{pod.name} running again on {pod.node}",
                           lambda: _pod_running(api, pod.namespace, pod.name), timeout=timeout, interval=0.5)

@@ -312,10 +312,12 @@ async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the
     slept = await wait_ws(env, old, "asleep (snapshot)", asleep)
     old_dir = env.paths.images / f"{old.namespace}_{old.name}_{old.uid}"
     assert Path(slept["status"]["image"]["path"]).parent == old_dir and old_dir.is_dir()
+    pid_ns = procfs.pid_ns(container_procs(old.uid, first.container_id).entrypoint)
+    assert pid_ns is not None
     calls = len(env.driver.calls())
     async with trickle(env):
         await env.api.delete(R.PODS, old.name, namespace=old.namespace)
-        new = await real_graph.recreate(env.api, env.graph, old)
+        new = await real_graph.recreate(env.api, env.graph, old, driver=env.driver, pid_ns=pid_ns)
         assert new.name == old.name and new.uid != old.uid
         # The old WorkerSnapshot goes: the garbage collector deletes it with its pod (its owner), or, when the
         # new pod is seen first, the controller does (Event PodReplaced: the old capture never restored).
