@@ -25,6 +25,7 @@ from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import NODES, LocalCluster, RunningPod, wait_for
 from dynsnap.testenv.dynsnap_parts import CONTROLLER_SA, ControllerProc
@@ -154,7 +155,20 @@ async def running(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj],
         await stop_env(env)
 
 
-async def get_ws(api: Kube, pod: RunningPod) -> Obj | None:
+class PodRef(Protocol):
+    """A pod by its identity: a sandbox's RunningPod, or a real node's NodePod (real_graph)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def uid(self) -> str: ...
+
+
+async def get_ws(api: Kube, pod: PodRef) -> Obj | None:
     with contextlib.suppress(NotFound):
         return await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
     return None
@@ -188,7 +202,7 @@ class HasApi(Protocol):
     def api(self) -> Kube: ...
 
 
-async def wait_ws(env: HasApi, pod: RunningPod, what: str, check: Callable[[Obj | None], bool],
+async def wait_ws(env: HasApi, pod: PodRef, what: str, check: Callable[[Obj | None], bool],
                   timeout: float = 120) -> Obj:
     """The worker's WorkerSnapshot once ``check`` holds for it, bounded by ``timeout``; on timeout the
     last one seen is printed whole."""
@@ -202,6 +216,21 @@ async def wait_ws(env: HasApi, pod: RunningPod, what: str, check: Callable[[Obj 
         print("LAST WORKERSNAPSHOT:", yaml.safe_dump(last))
         raise
     return ws
+
+
+async def own_instance(api: Kube, pod: PodRef) -> int | None:
+    """The instance id of the pod's DWM once that DWM is this pod's own (owned by its UID: a recreated
+    pod's, not its predecessor's) and carries one; None until then."""
+    try:
+        dwm = await api.get(R.DWMS, pod.name, namespace=pod.namespace)
+    except NotFound:
+        return None
+    if pod.uid not in {o["uid"] for o in dwm["metadata"].get("ownerReferences") or []}:
+        return None
+    try:
+        return instance_id_from_dwm(dwm)
+    except ValueError:  # applied before its endpoints are
+        return None
 
 
 @contextlib.asynccontextmanager

@@ -13,9 +13,10 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 
-from controllerenv import Load, asleep, cond, verified_after
+import controllerenv
+from controllerenv import Load, asleep, cond, get_ws, verified_after
 from realnodeenv import Env
-from realnodefacts import KubeletFacts, containerd_task, get_ws, kubelet_facts, runc_state
+from realnodefacts import KubeletFacts, containerd_task, kubelet_facts, runc_state
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -31,15 +32,8 @@ async def override(env: Env, w: NodePod, value: str) -> None:
 
 
 async def wait_ws(env: Env, w: NodePod, what: str, check: Callable[[Obj | None], bool], timeout: float = 240) -> Obj:
-    async def probe() -> Obj | None:
-        ws = await get_ws(env.api, w)
-        return ws if check(ws) else None
-    try:
-        got: Obj = await wait_for(f"{w.name}: {what}", probe, timeout=timeout, interval=0.5)
-    except TimeoutError:
-        print("LAST WORKERSNAPSHOT:", await get_ws(env.api, w))
-        raise
-    return got
+    """controllerenv.wait_ws with the real node's bound: its agent and controller run from images, under kubelet."""
+    return await controllerenv.wait_ws(env, w, what, check, timeout=timeout)
 
 
 def seconds(record: Obj) -> float:

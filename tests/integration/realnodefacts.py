@@ -10,7 +10,6 @@ Not collected by pytest (no ``test_`` prefix).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from pathlib import Path
 
 from dynsnap.agent.worker import find_entrypoint
 from dynsnap.k8s.client import Kube, Obj
-from dynsnap.k8s.errors import NotFound
 from dynsnap.models import resources as R
 from dynsnap.models.ids import PodUID
 from dynsnap.runtime import procfs
@@ -50,12 +48,6 @@ async def kubelet_facts(api: Kube, pod: NodePod, container: str = "main") -> Kub
     ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
     return KubeletFacts(live["metadata"]["uid"], st["podIP"], cs["containerID"].partition("://")[2],
                         int(cs["restartCount"]), ready, "running" in cs["state"])
-
-
-async def get_ws(api: Kube, pod: NodePod) -> Obj | None:
-    with contextlib.suppress(NotFound):
-        return await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-    return None
 
 
 async def runc_state(node: RealNode, container_id: str) -> Obj:

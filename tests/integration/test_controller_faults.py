@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 import pytest
 import yaml
-from controllerenv import cond, get_ws, wait_ws
+from controllerenv import cond, get_ws, own_instance, wait_ws
 from ctlfaultsenv import (
     Deployed,
     Env,
@@ -61,7 +61,6 @@ from faultsenv import gpu_states, helpers_running, pod_procs
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.runtime import procfs
 from dynsnap.testenv.cluster import LocalCluster, RunningPod
 from dynsnap.testenv.fake_apiproxy import Fault
@@ -399,15 +398,8 @@ async def test_pod_recreated_while_asleep_is_served_cold_never_given_the_old_cap
 
         await _images_collected(env, old)
         # Served (cold): its own DWM, and requests pinned to it answered by it; its gate set, Ready.
-        async def own_dwm() -> int | None:
-            dwm = await env.api.get(R.DWMS, new.name, namespace=new.namespace)
-            if new.uid not in {o["uid"] for o in dwm["metadata"].get("ownerReferences") or []}:
-                return None
-            try:
-                return instance_id_from_dwm(dwm)
-            except ValueError:  # applied before its endpoints are
-                return None
-        iid: int = await eventually("the new pod's DWM, owned by it, with its instance id", own_dwm, timeout=60)
+        iid: int = await eventually("the new pod's DWM, owned by it, with its instance id",
+                                    lambda: own_instance(env.api, new), timeout=60)
         await g.fe.wait_routable(iid)
         for i in range(3):
             res = await g.fe.chat(f"cold {i}", worker_id=iid, max_tokens=2)

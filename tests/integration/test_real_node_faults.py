@@ -29,18 +29,17 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from controllerenv import asleep, cond, events_for, verified_after
+from controllerenv import asleep, cond, events_for, get_ws, own_instance, verified_after
 from helperprocs import Helper, helpers_for
 from realnodecycle import cycle, override, same_pod, set_tier, trickle, wait_ws
 from realnodeenv import NS, WORKER_COMPONENT, Env, running, upgrade
-from realnodefacts import KubeletFacts, container_procs, get_ws, kubelet_facts, stub_state
+from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
 from restart_faults import unhang
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.runtime import procfs
 from dynsnap.testenv import real_graph
 from dynsnap.testenv.cluster import LocalCluster, wait_for
@@ -276,19 +275,6 @@ async def _replaced_event(env: Env, new: NodePod) -> Obj | None:
     return None
 
 
-async def _own_instance(env: Env, pod: NodePod) -> int | None:
-    try:
-        dwm = await env.api.get(R.DWMS, pod.name, namespace=pod.namespace)
-    except NotFound:
-        return None
-    if pod.uid not in {o["uid"] for o in dwm["metadata"].get("ownerReferences") or []}:
-        return None
-    try:
-        return instance_id_from_dwm(dwm)
-    except ValueError:  # applied before its endpoints are
-        return None
-
-
 async def _ws_gone(env: Env, ws: Obj) -> bool:
     try:
         live = await env.api.get(R.WORKER_SNAPSHOTS, ws["metadata"]["name"], namespace=ws["metadata"]["namespace"])
@@ -330,7 +316,7 @@ async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the
         async def collected() -> bool:
             return not old_dir.exists()
         await wait_for("the old pod's images deleted by the agent", collected, timeout=90, interval=0.5)
-        iid: int = await wait_for("the new pod's DWM, owned by it", lambda: _own_instance(env, new), timeout=90,
+        iid: int = await wait_for("the new pod's DWM, owned by it", lambda: own_instance(env.api, new), timeout=90,
                                   interval=0.5)
         await env.fe.wait_routable(iid, timeout=120)
         for i in range(3):

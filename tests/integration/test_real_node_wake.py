@@ -22,14 +22,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from controllerenv import Load, asleep, events_for
+from controllerenv import Load, asleep, events_for, get_ws
 from realnodecycle import all_ready, cycle, runtime_runs, same_pod, set_tier, trickle
 from realnodeenv import NODE, NS, RELEASE, WORKER_COMPONENT, Env, running
 from realnodefacts import (
     cgroup_file,
     cgroups,
     container_procs,
-    get_ws,
     kubelet_facts,
     namespaces,
     security,
