@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import resources as R
 from dynsnap.testenv import stub_operator
@@ -44,6 +45,29 @@ def _component_of(graph: Graph, pod: RunningPod) -> str:
     raise KeyError(f"pod {pod.namespace}/{pod.name} is not one of the graph's")
 
 
+async def pod_again(api: Kube, dgd: Obj, component: str, name: str, node: str) -> Obj:
+    """The pod ``name`` of ``component`` as the operator creates it again: from the DGD's current
+    component template (the DGD read afresh), bound to ``node``."""
+    live = await api.get(R.DGDS, dgd["metadata"]["name"], namespace=dgd["metadata"]["namespace"])
+    comp = next(c for c in stub_operator.components(live) if c["name"] == component)
+    body = next(b for b in stub_operator.component_pods(live, comp) if b["metadata"]["name"] == name)
+    body["spec"]["nodeName"] = node
+    return body
+
+
+async def wait_pod_gone(api: Kube, namespace: str, name: str, uid: str, *, timeout: float,
+                        interval: float = 0.1) -> None:
+    """Until the pod ``namespace/name`` of ``uid`` is gone from the API server (or another pod holds
+    its name), bounded by ``timeout``."""
+    async def gone() -> bool:
+        try:
+            live = await api.get(R.PODS, name, namespace=namespace)
+        except NotFound:
+            return True
+        return bool(live["metadata"]["uid"] != uid)
+    await wait_for(f"pod {namespace}/{name} ({uid}) gone", gone, timeout=timeout, interval=interval)
+
+
 async def recreate_pod(cluster: LocalCluster, graph: Graph, pod: RunningPod, *, propagation: str = "Background",
                        driver: StubDriver | None = None, timeout: float = 60) -> RunningPod:
     """The operator recreating a worker pod that was deleted.
@@ -56,10 +80,7 @@ async def recreate_pod(cluster: LocalCluster, graph: Graph, pod: RunningPod, *, 
     one in ``graph.pods`` and is returned."""
     api = cluster.api
     comp_name = _component_of(graph, pod)
-    dgd = await api.get(R.DGDS, graph.dgd["metadata"]["name"], namespace=graph.dgd["metadata"]["namespace"])
-    comp = next(c for c in stub_operator.components(dgd) if c["name"] == comp_name)
-    body = next(b for b in stub_operator.component_pods(dgd, comp) if b["metadata"]["name"] == pod.name)
-    body["spec"]["nodeName"] = pod.node
+    body = await pod_again(api, graph.dgd, comp_name, pod.name, pod.node)
     running = cluster.pods.get((pod.namespace, pod.name))
     if running is not None:
         await stop_pod(cluster, running, driver=driver)
@@ -67,13 +88,7 @@ async def recreate_pod(cluster: LocalCluster, graph: Graph, pod: RunningPod, *, 
         await api.delete(R.PODS, pod.name, namespace=pod.namespace, grace_period_seconds=0,
                          propagation=propagation, uid=pod.uid)
 
-    async def gone() -> bool:
-        try:
-            live = await api.get(R.PODS, pod.name, namespace=pod.namespace)
-        except NotFound:
-            return True
-        return bool(live["metadata"]["uid"] != pod.uid)
-    await wait_for(f"pod {pod.namespace}/{pod.name} ({pod.uid}) gone", gone, timeout=timeout)
+    await wait_pod_gone(api, pod.namespace, pod.name, pod.uid, timeout=timeout)
     new = await cluster.run_pod(body)
     graph.pods[comp_name] = [new if p.name == pod.name else p for p in graph.pods[comp_name]]
     return new

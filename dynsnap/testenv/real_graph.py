@@ -31,7 +31,7 @@ from typing import Any
 from dynsnap.k8s.client import Kube
 from dynsnap.k8s.errors import Conflict, NotFound
 from dynsnap.models import resources as R
-from dynsnap.testenv import stub_gpu_stack, stub_operator
+from dynsnap.testenv import podlife, stub_gpu_stack, stub_operator
 from dynsnap.testenv.cluster import TEST_NAMESPACE, wait_for
 from dynsnap.testenv.dynamo import MODEL_NAME
 from dynsnap.testenv.dynsnap_parts import StubDriver
@@ -155,18 +155,8 @@ async def recreate(api: Kube, graph: Graph, pod: NodePod, *, driver: StubDriver,
     old pod's pid namespace ``pid_ns`` (StubDriver.forget_pid_namespace: the real driver's state lived in
     those processes); kept, a new pid namespace given the same inode number would inherit it."""
     comp_name = next(c for c, ps in graph.pods.items() if any(p.name == pod.name for p in ps))
-    dgd = await api.get(R.DGDS, graph.dgd["metadata"]["name"], namespace=graph.dgd["metadata"]["namespace"])
-    comp = next(c for c in stub_operator.components(dgd) if c["name"] == comp_name)
-    body = next(b for b in stub_operator.component_pods(dgd, comp) if b["metadata"]["name"] == pod.name)
-    body["spec"]["nodeName"] = pod.node
-
-    async def gone() -> bool:
-        try:
-            live = await api.get(R.PODS, pod.name, namespace=pod.namespace)
-        except NotFound:
-            return True
-        return bool(live["metadata"]["uid"] != pod.uid)
-    await wait_for(f"pod {pod.namespace}/{pod.name} ({pod.uid}) gone", gone, timeout=timeout, interval=0.5)
+    body = await podlife.pod_again(api, graph.dgd, comp_name, pod.name, pod.node)
+    await podlife.wait_pod_gone(api, pod.namespace, pod.name, pod.uid, timeout=timeout, interval=0.5)
     driver.forget_pid_namespace(pid_ns)
     await api.create(R.PODS, body)
     live = await wait_for(f"pod {pod.namespace}/{pod.name} running again on {pod.node}",
