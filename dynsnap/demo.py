@@ -1,25 +1,29 @@
-"""``dynsnap demo``: the main job on the local environment, told by dynsnap itself.
+"""``dynsnap demo``: the main job on a real node of the local environment, told by dynsnap itself.
 
-Brings up the real control plane (etcd, kube-apiserver, kube-controller-manager), kwok and the pod
-sandboxes; installs dynsnap's CRD and the shipped RBAC; starts one node agent per fake node and the
-controller, each as its own process under its own service account. Then it only applies an
-annotated DynamoGraphDeployment (a Dynamo frontend and three mocker workers under
-dynsnap-entrypoint, ``min-active: 1``) and a load generator, and narrates what the controller and
-the agents do on their own, read from WorkerSnapshot status and Events:
+Brings up the real control plane (etcd, kube-apiserver, kube-controller-manager) and a real node
+(kubelet, containerd, runc, the CNI plugins; dynsnap/testenv/node.py) on its own bridge, imports the
+local images into the node's containerd and installs dynsnap as a user would, ``helm install`` of
+deploy/helm/dynsnap (the controller Deployment and the privileged agent DaemonSet, as pods of that
+node, under the chart's RBAC). Then it only applies examples/dgd/agg.yaml under the local overlay
+(real_graph.py: local images, Dynamo's mocker on CPU; here three workers and the demo's policy:
+``idle-after: 4s``, ``min-active: 1``) and a load generator, and narrates what the controller and
+the agent do on their own, read from WorkerSnapshot status, Events and the kubelet's pod status:
 
 1. the workers go idle and are captured down to one (quiesce: serving gate False, endpoint not
    ready, frontend no longer routing, nothing in flight; then the agent's capture steps);
 2. load arrives through the frontend; the controller wakes the sleepers in place and proves each
    wake with requests pinned to it;
-3. wake on request: a second graph whose only worker (the stand-in GPU engine, tier suspend,
-   ``min-active: 0``, ``wake-on-request``) sleeps routable with its model still listed; one request,
-   answered by the worker it woke; the wake verified;
+3. wake on request: a second graph from the same example whose only worker (the stand-in GPU engine,
+   tier suspend, ``min-active: 0``, ``wake-on-request``) sleeps routable with its model still listed;
+   one request, answered by the worker it woke; the wake verified;
 4. a table of every capture and wake with each step's measured duration, the same as a PNG timeline
    (``--timeline-out``, default ./dynsnap-demo-timeline.png: outside the work directory, which goes
    at the end), and the checks: every request answered, every wake verified N/N, pod UIDs, IPs, DWMs
-   unchanged, no liveness restart.
+   unchanged; and the kubelet's own facts for every worker: the same container id, restartCount
+   unchanged, Ready False and True again only through the serving gate;
+5. ``helm uninstall`` (its hook wakes whatever still sleeps), the node stopped, nothing left behind.
 
-Tears everything down; exit 0 only if every check held.
+Exit 0 only if every check held.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +41,12 @@ from dynsnap import demo_story as S
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
-from dynsnap.testenv import dynamo as D
-from dynsnap.testenv import dynsnap_parts as DS
-from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster, wait_for
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.chart_node import WORKER_COMPONENT, Env
+from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster, wait_for
 from dynsnap.testenv.netns import SandboxNetwork
+from dynsnap.testenv.real_graph import Engine, Graph
 
 DEMO_BRIDGE = "dsndemo0"
 DEMO_CIDR = "10.214.0.0/16"
@@ -54,69 +59,50 @@ WOR_POLICY = {"enabled": "true", "idle-after": "4s", "tier": "suspend", "min-act
               "verify-requests": "3"}
 
 
-@dataclass
-class Parts:
-    """What the demo started: the cluster, the agents, the controller, the stub driver."""
-
-    cluster: LocalCluster
-    driver: DS.StubDriver
-    agents: list[DS.AgentProc] = field(default_factory=list)
-    controller: DS.ControllerProc | None = None
-
-    async def stop(self) -> None:
-        if self.controller is not None:
-            await self.controller.stop()
-        await asyncio.gather(*(a.stop() for a in self.agents), return_exceptions=True)
-        await self.cluster.stop()
+def _annotations(policy: dict[str, str]) -> dict[str, str]:
+    return {f"{P.ANNOTATION_PREFIX}{k}": v for k, v in policy.items()}
 
 
-async def _start(workdir: Path, tl: S.Timeline) -> Parts:
-    # Its own bridge and /16, so a demo can run beside a test session's cluster (dsnbr0, 10.213/16).
-    cluster = LocalCluster(workdir / "cluster", net=SandboxNetwork(bridge=DEMO_BRIDGE, cidr=DEMO_CIDR))
-    tl.step("starting etcd, kube-apiserver, kube-controller-manager, kwok, sandbox network")
+async def _start(cluster: LocalCluster, workdir: Path, tl: S.Timeline) -> Env:
+    """The control plane, then the node with dynsnap installed by helm (chart_node.start)."""
+    tl.step("starting etcd, kube-apiserver, kube-controller-manager")
     await cluster.start()
-    parts = Parts(cluster, DS.build_stub_driver(workdir / "stubcuda"))
     assert cluster.cp is not None
     tl.step(f"control plane up at {cluster.cp.url}; logs in {cluster.cp.logs_dir}")
-    await DS.install_dynsnap(cluster)
-    agent_cfg = await DS.token_kubeconfig(cluster, namespace=DS.AGENT_NS, sa=DS.AGENT_SA,
-                                          path=workdir / "agent.kubeconfig")
-    ctl_cfg = await DS.token_kubeconfig(cluster, namespace=DS.AGENT_NS, sa=DS.CONTROLLER_SA,
-                                        path=workdir / "controller.kubeconfig")
-    tl.step("installed CRD workersnapshots.dynsnap.io and the shipped RBAC (deploy/rbac/); the agents' and "
-            "the controller's tokens come from the TokenRequest API")
-    for node in NODES:
-        a = DS.AgentProc(node, agent_cfg, workdir / f"agent-{node}", parts.driver)
-        await a.start()
-        parts.agents.append(a)
-    parts.controller = DS.ControllerProc(ctl_cfg, workdir / "controller",
-                                         extra=["--trace-file", str(workdir / "controller" / "traces.jsonl")])
-    await parts.controller.start()
-    tl.step(f"node agents on {', '.join(NODES)} and the controller running, each its own process "
-            f"(logs in {workdir})")
-    return parts
+    tl.step("starting a real node (containerd + runc + CNI bridge + kubelet), importing the local images, "
+            "then helm install deploy/helm/dynsnap")
+    # A GPU each: the three workers of the first graph and the engine of the last scene's.
+    return await chart_node.start(cluster, workdir, gpus=WORKERS + 1)
 
 
-async def _deploy(parts: Parts, tl: S.Timeline) -> D.Graph:
-    worker = D.mocker_component("worker", replicas=WORKERS, dynsnap=True, speedup_ratio=1,
-                                env={"LD_PRELOAD": str(parts.driver.libcuda)})
-    body = D.dgd("demo", [D.frontend_component(), worker])
-    body["metadata"]["annotations"] = {f"{P.ANNOTATION_PREFIX}{k}": v for k, v in POLICY.items()}
-    tl.step("applying DGD demo: frontend + 3 mocker workers under dynsnap-entrypoint, annotated "
+async def _describe(env: Env, tl: S.Timeline) -> None:
+    node = await env.api.get(R.NODES, env.node.name)
+    info = node["status"]["nodeInfo"]
+    tl.step(f"node {env.node.name} Ready: kubelet {info['kubeletVersion']}, {info['containerRuntimeVersion']}; "
+            f"logs in {env.node.layout.logs}")
+    pods = [p for comp in ("controller", "agent") for p in await env.chart_pods(comp)]
+    tl.step("helm install done: " + ", ".join(f"{p['metadata']['name']} ({p['spec']['containers'][0]['image']})"
+                                              for p in pods) + f" Ready on {env.node.name}")
+
+
+async def _deploy(env: Env, tl: S.Timeline) -> Graph:
+    body = chart_node.example_body(env, policy=_annotations(POLICY), name="demo", worker_replicas=WORKERS,
+                                   speedup_ratio=1)
+    tl.step(f"applying examples/dgd/agg.yaml as DGD demo (local images, the mocker, {WORKERS} workers), annotated "
             + ", ".join(f"{k}={v}" for k, v in POLICY.items()))
-    graph = await D.deploy(parts.cluster, body, wait=False)
+    graph = await chart_node.deploy_example(env, body)
     pods = [p for ps in graph.pods.values() for p in ps]
-    await asyncio.gather(*(parts.cluster.wait_ready(p.namespace, p.name, timeout=120) for p in pods))
-    tl.step("all pods Ready (the controller set each worker's serving gate): "
+    tl.step("all pods Ready on the node (the controller set each worker's serving gate): "
             + ", ".join(f"{p.name}@{p.ip}" for p in pods))
     return graph
 
 
-async def _capture_then_load(parts: Parts, graph: D.Graph, tl: S.Timeline, narrator: S.Narrator
+async def _capture_then_load(env: Env, tl: S.Timeline, narrator: S.Narrator
                              ) -> tuple[list[str], dict[str, dict[str, Any]], list[S.LoadGen]]:
     """Scenes 1 and 2: idle workers captured down to min-active; load; every sleeper woken and verified."""
-    api = parts.cluster.api
-    fe = D.FrontendClient(graph.frontend)
+    api = env.api
+    assert env.fe is not None
+    fe = env.fe
     trickle = S.LoadGen(fe, 1, pause=3.0, max_tokens=2)
     burst = S.LoadGen(fe, 6, max_tokens=60)
     proofs: dict[str, dict[str, Any]] = {}
@@ -145,11 +131,10 @@ async def _capture_then_load(parts: Parts, graph: D.Graph, tl: S.Timeline, narra
         await burst.stop()
         await trickle.stop()
         await narrator.poll()
-        await fe.close()
     return sleeping, proofs, [burst, trickle]
 
 
-async def _check_wakes(api: Kube, tl: S.Timeline, graph: D.Graph, before: dict[str, Obj], sleeping: list[str],
+async def _check_wakes(api: Kube, tl: S.Timeline, before: dict[str, Obj], sleeping: list[str],
                        proofs: dict[str, dict[str, Any]], loads: list[S.LoadGen]) -> None:
     snaps = {w["metadata"]["name"]: w for w in await S.snapshots(api)}
     for name in sleeping:
@@ -167,27 +152,41 @@ async def _check_wakes(api: Kube, tl: S.Timeline, graph: D.Graph, before: dict[s
     ok = sum(x.ok for x in loads)
     failed = sum(len(x.failed) for x in loads)
     tl.check(failed == 0, f"every request through the frontend answered: {ok} ok, {failed} failed")
-    tl.check(all(p.kubelet.restarts == 0 for p in graph.workers("worker")),
-             "no liveness restart while workers slept")
 
 
-async def _wake_on_request(parts: Parts, tl: S.Timeline, narrator: S.Narrator) -> None:
+def _check_kubelet(tl: S.Timeline, watch: S.KubeletWatch, slept: set[str], *, why_ready: str = "") -> None:
+    """The kubelet's facts: one container, never restarted; out of serving only through the gate (the
+    workers in ``slept``), or Ready all along (the others; ``why_ready`` says why where they slept)."""
+    for name in sorted(watch.pods):
+        seen = watch.containers[name]
+        (cid, restarts), = seen if len(seen) == 1 else (("", -1),)
+        tl.check(len(seen) == 1 and restarts == 0,
+                 f"{name}: kubelet reports one container {cid[:25]}... restartCount {restarts} "
+                 f"in {watch.looks} looks" if len(seen) == 1 else f"{name}: kubelet reported containers {sorted(seen)}")
+        states = " -> ".join(f"gate {g}/Ready {r}" for g, r in watch.states[name])
+        if name in slept:
+            tl.check(watch.through_gate(name) and any(not r for _, r in watch.states[name]),
+                     f"{name}: Ready False and True again only through the serving gate ({states})")
+        else:
+            tl.check(all(r for _, r in watch.states[name][1:]), f"{name}: Ready all along{why_ready} ({states})")
+
+
+async def _wake_on_request(env: Env, tl: S.Timeline, narrator: S.Narrator) -> S.KubeletWatch:
     """The last scene: a model whose only worker sleeps routable (wake on request), still listed; one
     request, answered by the worker it woke; the wake verified."""
-    api = parts.cluster.api
-    w = DS.engine_worker_component("engine", replicas=1, driver=parts.driver, gib=0.25, kv_gib=0.25)
-    body = D.dgd("demo-wor", [D.frontend_component(), w])
-    body["metadata"]["annotations"] = {f"{P.ANNOTATION_PREFIX}{k}": v for k, v in WOR_POLICY.items()}
-    tl.step("phase 3: wake on request. Applying DGD demo-wor: a frontend and one worker of the stand-in "
-            "GPU engine, annotated " + ", ".join(f"{k}={v}" for k, v in WOR_POLICY.items()))
-    graph = await D.deploy(parts.cluster, body, wait=False)
-    pods = [p for ps in graph.pods.values() for p in ps]
-    await asyncio.gather(*(parts.cluster.wait_ready(p.namespace, p.name, timeout=120) for p in pods))
-    pod = graph.workers("engine")[0]
-    fe = D.FrontendClient(graph.frontend, timeout=120.0)
+    api = env.api
+    body = chart_node.example_body(env, policy=_annotations(WOR_POLICY), name="demo-wor", worker_replicas=1,
+                                   engine=Engine(gib=0.25, kv_gib=0.25))
+    tl.step("phase 3: wake on request. Applying examples/dgd/agg.yaml as DGD demo-wor: a frontend and one worker "
+            "of the stand-in GPU engine, annotated " + ", ".join(f"{k}={v}" for k, v in WOR_POLICY.items()))
+    graph = await chart_node.deploy_example(env, body)
+    pod = graph.workers(WORKER_COMPONENT)[0]
+    watch = S.KubeletWatch(api, {pod.name: pod.namespace})
+    stop = asyncio.Event()
+    task = asyncio.create_task(watch.run(stop))
+    assert env.fe is not None
+    fe = env.fe
     try:
-        await fe.wait_model()
-
         async def routable() -> Obj | None:
             ws = await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
             sus: Obj = next((c for c in (ws.get("status") or {}).get("conditions") or [] if c["type"] == "Suspended"),
@@ -196,8 +195,11 @@ async def _wake_on_request(parts: Parts, tl: S.Timeline, narrator: S.Narrator) -
         ws = await wait_for("the model's last worker asleep routable", routable, timeout=120, interval=0.5)
         before = (ws["status"].get("lastWake") or {}).get("id")
         listed = await fe.model_listed()
-        tl.check(listed, f"{pod.name} asleep routable (GPU memory freed, still in serving): the model is listed")
-        iid = await D.instance_id(parts.cluster, pod)
+        await watch.look()
+        ready = watch.states[pod.name][-1][1]
+        tl.check(listed and ready, f"{pod.name} asleep routable (GPU memory freed, still in serving): the model is "
+                 f"listed, kubelet has the pod Ready={ready}")
+        iid = instance_id_from_dwm(await api.get(R.DWMS, pod.name, namespace=pod.namespace))
         t0 = time.monotonic()
         r = await fe.chat("the first request after the sleep")
         took = time.monotonic() - t0
@@ -215,8 +217,10 @@ async def _wake_on_request(parts: Parts, tl: S.Timeline, narrator: S.Narrator) -
         tl.check(v["ok"] is True and ws["status"]["lastWake"].get("trigger") == "request",
                  f"{pod.name}: woken by that request, wake verified {v['answered']}/{v['requests']} pinned")
     finally:
+        stop.set()
+        await task
         await narrator.poll()
-        await fe.close()
+    return watch
 
 
 def _report(narrator: S.Narrator, timeline_out: Path, tl: S.Timeline) -> None:
@@ -230,36 +234,60 @@ def _report(narrator: S.Narrator, timeline_out: Path, tl: S.Timeline) -> None:
     S.write_timeline(narrator, timeline_out, tl)
 
 
+async def _teardown(cluster: LocalCluster, env: Env | None, tl: S.Timeline) -> None:
+    if env is not None:
+        tl.step("tearing down: the graphs deleted (kubelet stops their pods), helm uninstall (its hook wakes "
+                "whatever still sleeps), the node stopped")
+        problems = await chart_node.stop(env)
+        tl.check(not problems, "helm uninstall done and the node left nothing behind" if not problems
+                 else "teardown: " + "; ".join(problems))
+    await cluster.stop()
+
+
 async def _run(workdir: Path, timeline_out: Path) -> int:
     tl = S.Timeline()
-    parts: Parts | None = None
-    stop_narrator = asyncio.Event()
-    narrator_task: asyncio.Task[None] | None = None
+    # Its own bridge and /16, so a demo can run beside a test session's cluster (dsnbr0, 10.213/16).
+    cluster = LocalCluster(workdir / "cluster", net=SandboxNetwork(bridge=DEMO_BRIDGE, cidr=DEMO_CIDR),
+                           fake_nodes=False)
+    env: Env | None = None
+    stop_watching = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
     try:
-        parts = await _start(workdir, tl)
-        graph = await _deploy(parts, tl)
-        narrator = S.Narrator(parts.cluster.api, tl)
-        narrator_task = asyncio.create_task(narrator.run(stop_narrator))
-        api = parts.cluster.api
-        before = {p.name: await api.get(R.PODS, p.name, namespace=p.namespace) for p in graph.workers("worker")}
-        sleeping, proofs, loads = await _capture_then_load(parts, graph, tl, narrator)
-        await _check_wakes(api, tl, graph, before, sleeping, proofs, loads)
-        await _wake_on_request(parts, tl, narrator)
-        stop_narrator.set()
+        env = await _start(cluster, workdir, tl)
+        await _describe(env, tl)
+        graph = await _deploy(env, tl)
+        api = env.api
+        narrator = S.Narrator(api, tl)
+        workers = graph.workers(WORKER_COMPONENT)
+        watch = S.KubeletWatch(api, {p.name: p.namespace for p in workers})
+        await watch.look()
+        tasks = [asyncio.create_task(narrator.run(stop_watching)), asyncio.create_task(watch.run(stop_watching))]
+        before = {p.name: await api.get(R.PODS, p.name, namespace=p.namespace) for p in workers}
+        sleeping, proofs, loads = await _capture_then_load(env, tl, narrator)
+        await _check_wakes(api, tl, before, sleeping, proofs, loads)
+        wor_watch = await _wake_on_request(env, tl, narrator)
+        stop_watching.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await watch.look()
+        _check_kubelet(tl, watch, set(sleeping))
+        _check_kubelet(tl, wor_watch, set(), why_ready=", asleep routable too (kept in serving)")
         _report(narrator, timeline_out, tl)
+    except Exception as e:  # said as a failed check, then everything torn down
+        tl.check(False, f"{type(e).__name__}: {e}")
+        if env is not None:
+            print(await env.dump_logs(), file=sys.stderr)
     finally:
-        stop_narrator.set()
-        if narrator_task is not None:
+        stop_watching.set()
+        for t in tasks:
             with contextlib.suppress(Exception):
-                await narrator_task
-        tl.step("tearing down")
-        if parts is not None:
-            await parts.stop()
+                await t
+        await _teardown(cluster, env, tl)
     if tl.failures:
         print("demo FAILED: " + "; ".join(tl.failures), file=sys.stderr)
         return 1
-    tl.step("demo passed: idle -> captured -> load -> woken in place -> verified, with no request failed; "
-            "and a model whose last worker slept routable answered its first request")
+    tl.step("demo passed: idle -> captured -> load -> woken in place -> verified on a real node, with no request "
+            "failed and no container restarted; and a model whose last worker slept routable answered its first "
+            "request")
     return 0
 
 

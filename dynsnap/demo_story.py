@@ -1,6 +1,7 @@
 """How ``dynsnap demo`` tells what happens (layer: cli, beside demo.py): the timeline it prints, the
-narrator that reads WorkerSnapshot status and Events (polled, read-only), the load generator, the
-proof of a wake it accepts, and the PNG timeline at the end.
+narrator that reads WorkerSnapshot status and Events (polled, read-only), the kubelet's account of
+each worker (KubeletWatch), the load generator, the proof of a wake it accepts, and the PNG timeline
+at the end.
 """
 
 from __future__ import annotations
@@ -132,6 +133,54 @@ class Narrator:
                 await self.poll()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.25)
+
+
+class KubeletWatch:
+    """The kubelet's own account of each watched pod, polled: the states it went through, as
+    (serving gate, Ready) pairs with repeats dropped, and its main container's id and restartCount
+    at every look (read-only)."""
+
+    def __init__(self, api: Kube, pods: dict[str, str], container: str = "main") -> None:
+        self.api = api
+        self.pods = pods  # name -> namespace
+        self.container = container
+        self.states: dict[str, list[tuple[str, bool]]] = {n: [] for n in pods}
+        self.containers: dict[str, set[tuple[str, int]]] = {n: set() for n in pods}
+        self.looks = 0
+
+    async def look(self) -> None:
+        for name, ns in self.pods.items():
+            pod = await self.api.get(R.PODS, name, namespace=ns)
+            conds = {c["type"]: c["status"] for c in (pod.get("status") or {}).get("conditions") or []}
+            state = (conds.get(P.CONDITION_SERVING, "Unset"), conds.get("Ready") == "True")
+            if not self.states[name] or self.states[name][-1] != state:
+                self.states[name].append(state)
+            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+                if cs["name"] == self.container:
+                    self.containers[name].add((cs.get("containerID", ""), int(cs.get("restartCount", 0))))
+        self.looks += 1
+
+    def through_gate(self, name: str) -> bool:
+        """Every time ``name`` was seen not Ready after it first was, its serving gate was False then or
+        just before, the gate True again before it was Ready again: out of serving only by the gate."""
+        seen = self.states[name]
+        first = next((i for i, (_, ready) in enumerate(seen) if ready), None)
+        if first is None or not seen[-1][1]:
+            return False
+        for i in range(first + 1, len(seen)):
+            gate, ready = seen[i]
+            if not ready and gate != "False" and seen[i - 1][0] != "False":
+                return False
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        n = 0
+        while not stop.is_set() and n < 100_000:
+            n += 1
+            with contextlib.suppress(Exception):
+                await self.look()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
 
 
 class LoadGen:

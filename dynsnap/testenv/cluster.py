@@ -131,6 +131,7 @@ class LocalCluster:
     admin_kubeconfig: Path | None = None
     pod_kubeconfig: Path | None = None
     apiserver_args: tuple[str, ...] = ()  # extra kube-apiserver flags (ControlPlane.apiserver_args)
+    fake_nodes: bool = True  # kwok and its fake NODES; the demo runs on a real node only
 
     @property
     def api(self) -> Kube:
@@ -158,6 +159,14 @@ class LocalCluster:
         await self._install_crds()
         await self._ensure_namespace(TEST_NAMESPACE)
         await self._install_dynamo_rbac()
+        if self.fake_nodes:
+            await self._start_kwok()
+        # The namespace controller's "default" service account gates pod creation (ServiceAccount admission).
+        await wait_for(f"serviceaccount {TEST_NAMESPACE}/default", lambda: self.api.get(
+            R.SERVICE_ACCOUNTS, "default", namespace=TEST_NAMESPACE), timeout=60)
+
+    async def _start_kwok(self) -> None:
+        assert self.cp is not None
         self.kwok = kwok_process(kubeconfig=self.cp.kubeconfig_for("kwok"), logs_dir=self.cp.logs_dir,
                                  server_port=free_port())
         await self.kwok.start()
@@ -166,9 +175,6 @@ class LocalCluster:
                 await self.api.create(R.NODES, fake_node(node, pod_cidr=cidr, node_ip=node_ip))
         for node in NODES:
             await wait_for(f"node {node} Ready (kwok)", lambda n=node: self._node_ready(n), timeout=60)
-        # The namespace controller's "default" service account gates pod creation (ServiceAccount admission).
-        await wait_for(f"serviceaccount {TEST_NAMESPACE}/default", lambda: self.api.get(
-            R.SERVICE_ACCOUNTS, "default", namespace=TEST_NAMESPACE), timeout=60)
 
     async def _node_ready(self, name: str) -> bool:
         node = await self.api.get(R.NODES, name)

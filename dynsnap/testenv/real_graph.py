@@ -16,6 +16,9 @@ Layer: ``dynsnap.testenv`` (test harness only).
 - the stub driver in the GPU container, where NVIDIA's container toolkit would put the real one
   (stub_gpu_stack.with_driver).
 
+The demo also asks for a graph name, a worker count, the mocker's speed, or the stand-in GPU engine
+(:class:`Engine`) as the worker command, each named by its argument.
+
 Nothing else: the init containers, the probes on the entrypoint, the readiness gate, the control
 directory's emptyDir and the worker container's security context stay exactly as the example has them.
 """
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dynsnap.k8s.client import Kube
@@ -38,6 +42,9 @@ from dynsnap.testenv.dynsnap_parts import StubDriver
 
 Obj = dict[str, Any]
 MODEL_DIR = "/opt/dynamo/model"  # where hack/lib-images.sh puts the model directory in dynsnap-dynamo
+PACKAGE = Path(__file__).resolve().parent.parent  # this checkout's dynsnap package (the engine's code)
+ENGINE_VOLUME = "stub-engine-code"
+ENGINE_ROOT = "/opt/dynsnap-stub-engine"
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,27 @@ class NodePod:
     uid: str
     ip: str
     node: str
+
+
+@dataclass(frozen=True)
+class KubeletFacts:
+    """The pod and its main container as kubelet reports them."""
+
+    uid: str
+    ip: str
+    container_id: str  # without the runtime:// prefix
+    restart_count: int
+    ready: bool
+    running: bool
+
+
+async def kubelet_facts(api: Kube, pod: NodePod, container: str = "main") -> KubeletFacts:
+    live = await api.get(R.PODS, pod.name, namespace=pod.namespace)
+    st = live["status"]
+    cs = next(c for c in st["containerStatuses"] if c["name"] == container)
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
+    return KubeletFacts(live["metadata"]["uid"], st["podIP"], cs["containerID"].partition("://")[2],
+                        int(cs["restartCount"]), ready, "running" in cs["state"])
 
 
 @dataclass(frozen=True)
@@ -65,6 +93,29 @@ class Graph:
         return self.pods[component]
 
 
+@dataclass(frozen=True)
+class Engine:
+    """The stand-in GPU engine (stub_engine: stands in for vLLM) as a worker of the real node: this
+    checkout's ``dynsnap`` package mounted read-only from the host (a hostPath, as stub_gpu_stack gives
+    the driver) and run by the image's Python, on the stub driver (it calls it per token: a request to
+    a sleeping engine waits, where the mocker would answer). ``gib`` + ``kv_gib``: its device memory."""
+
+    gib: float = 0.25
+    kv_gib: float = 0.25
+
+    def args(self) -> list[str]:
+        return ["python3", "-m", "dynsnap.testenv.stub_engine", "--model-path", MODEL_DIR, "--model-name",
+                MODEL_NAME, "--gib", f"{self.gib:g}", "--kv-gib", f"{self.kv_gib:g}"]
+
+    def wire(self, spec: Obj, main: Obj, driver: StubDriver) -> None:
+        spec.setdefault("volumes", []).append(
+            {"name": ENGINE_VOLUME, "hostPath": {"path": str(PACKAGE), "type": "Directory"}})
+        main.setdefault("volumeMounts", []).append(
+            {"name": ENGINE_VOLUME, "mountPath": f"{ENGINE_ROOT}/dynsnap", "readOnly": True})
+        main.setdefault("env", []).extend([{"name": "PYTHONPATH", "value": ENGINE_ROOT},
+                                           {"name": "DYNSNAP_LIBCUDA", "value": str(driver.libcuda)}])
+
+
 def mocker_args(*, speedup_ratio: float = 100) -> list[str]:
     """The worker command after the entrypoint's ``--``: Dynamo's mocker (``python3`` is the image's venv)."""
     return ["python3", "-m", "dynamo.mocker", "--model-path", MODEL_DIR, "--model-name", MODEL_NAME,
@@ -72,10 +123,16 @@ def mocker_args(*, speedup_ratio: float = 100) -> list[str]:
 
 
 def local_overlay(dgd: Obj, *, dynamo_image: str, entrypoint_image: str, driver: StubDriver,
-                  policy: dict[str, str], memory_limit: str, namespace: str = TEST_NAMESPACE) -> Obj:
-    """``dgd`` (an examples/dgd/ graph) as it runs here; the module docstring lists every change."""
+                  policy: dict[str, str], memory_limit: str, namespace: str = TEST_NAMESPACE,
+                  name: str | None = None, worker_replicas: int | None = None, speedup_ratio: float = 100,
+                  engine: Engine | None = None) -> Obj:
+    """``dgd`` (an examples/dgd/ graph) as it runs here; the module docstring lists every change, and
+    these only when asked: the graph's ``name``, its workers' ``worker_replicas``, the mocker's
+    ``speedup_ratio``, or the stand-in GPU engine instead of the mocker (``engine``)."""
     out = copy.deepcopy(dgd)
     out["metadata"]["namespace"] = namespace
+    if name is not None:
+        out["metadata"]["name"] = name
     out["metadata"].setdefault("annotations", {}).update(policy)
     for comp in out["spec"]["components"]:
         spec = comp["podTemplate"]["spec"]
@@ -88,8 +145,12 @@ def local_overlay(dgd: Obj, *, dynamo_image: str, entrypoint_image: str, driver:
         main = next(c for c in spec["containers"] if c["name"] == "main")
         if "--" not in main.get("command", []):
             raise ValueError(f"component {comp['name']}: its command does not end in the entrypoint's --")
-        main["args"] = mocker_args()
+        main["args"] = mocker_args(speedup_ratio=speedup_ratio) if engine is None else engine.args()
         main.setdefault("resources", {}).setdefault("limits", {})["memory"] = memory_limit
+        if worker_replicas is not None:
+            comp["replicas"] = worker_replicas
+        if engine is not None:
+            engine.wire(spec, main, driver)
         comp["podTemplate"]["spec"] = stub_gpu_stack.with_driver(spec, driver)
     return out
 

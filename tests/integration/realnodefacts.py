@@ -16,38 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynsnap.agent.worker import find_entrypoint
-from dynsnap.k8s.client import Kube, Obj
-from dynsnap.models import resources as R
+from dynsnap.k8s.client import Obj
 from dynsnap.models.ids import PodUID
 from dynsnap.runtime import procfs
 from dynsnap.runtime.command import run_command
 from dynsnap.testenv.dynsnap_parts import NSKEY_SHIFT, StubDriver
 from dynsnap.testenv.node import RealNode
 from dynsnap.testenv.node_cleanup import CGROUP_FS
-from dynsnap.testenv.real_graph import NodePod
+from dynsnap.testenv.real_graph import KubeletFacts, kubelet_facts
+
+__all__ = ["KubeletFacts", "kubelet_facts"]  # real_graph's, where the demo reads them too
 
 SECURITY_FIELDS = ("Seccomp", "Seccomp_filters", "NoNewPrivs", "CapEff", "CapPrm", "CapBnd", "CapInh")
-
-
-@dataclass(frozen=True)
-class KubeletFacts:
-    """The pod and its main container as kubelet reports them."""
-
-    uid: str
-    ip: str
-    container_id: str  # without the runtime:// prefix
-    restart_count: int
-    ready: bool
-    running: bool
-
-
-async def kubelet_facts(api: Kube, pod: NodePod, container: str = "main") -> KubeletFacts:
-    live = await api.get(R.PODS, pod.name, namespace=pod.namespace)
-    st = live["status"]
-    cs = next(c for c in st["containerStatuses"] if c["name"] == container)
-    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
-    return KubeletFacts(live["metadata"]["uid"], st["podIP"], cs["containerID"].partition("://")[2],
-                        int(cs["restartCount"]), ready, "running" in cs["state"])
 
 
 async def runc_state(node: RealNode, container_id: str) -> Obj:

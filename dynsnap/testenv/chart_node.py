@@ -1,0 +1,291 @@
+"""dynsnap installed on the real node as a user installs it: the node (kubelet, containerd, runc,
+CNI: node.py) with the local images imported and the GPU stand-in advertised (stub_gpu_stack), the
+workload controllers and the scheduler (workloads.py), ``helm install`` of deploy/helm/dynsnap (the
+controller Deployment and the agent DaemonSet as pods of the node), and an examples/dgd/ graph under
+the local overlay (real_graph.py); torn down in reverse, ``helm uninstall`` (its hook wakes every
+worker first) included, the node leaving nothing on the host.
+
+Layer: ``dynsnap.testenv`` (test harness only). Used by ``dynsnap demo`` and by the real-node tests.
+
+    env = await chart_node.start(cluster, workdir)      # node Ready, chart's two pods Ready
+    await chart_node.deploy_example(env, chart_node.example_body(env, policy={...}))
+    ...
+    problems = await chart_node.stop(env)               # [] when nothing went wrong
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import NotFound
+from dynsnap.models import resources as R
+from dynsnap.testenv import dynamo as D
+from dynsnap.testenv import real_graph, stub_gpu_stack
+from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.dynsnap_parts import ROOT, StubDriver, build_stub_driver
+from dynsnap.testenv.node import REAL_NODE_LABEL, RealNode, real_node_cidr
+from dynsnap.testenv.workloads import Workloads, lift_not_ready_taint
+
+NODE = "node-real-0"
+RELEASE = "dynsnap-node"  # not "dynsnap" (deploy/rbac's names, other tests) nor test_helm.py's
+NS = "dynsnap-node"
+CHART = ROOT / "deploy" / "helm" / "dynsnap"
+EXAMPLE = ROOT / "examples" / "dgd" / "agg.yaml"
+WORKER_COMPONENT = "VllmWorker"
+WORKER_MEMORY_LIMIT = "2Gi"
+HELM_BOUND = 300.0  # a helm command running longer than this is stuck
+
+
+def images_dir() -> Path:
+    d = Path(os.environ.get("DYNSNAP_IMAGES", ""))
+    for name in ("dynsnap-controller", "dynsnap-agent", "dynsnap-entrypoint", "dynsnap-dynamo"):
+        if not (d / name / "index.json").is_file():
+            raise FileNotFoundError(f"$DYNSNAP_IMAGES has no {name} layout: run ./run setup (hack/lib-images.sh)")
+    return d
+
+
+@dataclass
+class NodePaths:
+    """The chart's host paths, overridden under the node's own directory (the run's)."""
+
+    root: Path
+
+    @property
+    def tools(self) -> Path:  # agent.nodeToolsDir (default /var/lib/dynsnap)
+        return self.root / "var-lib-dynsnap"
+
+    @property
+    def images(self) -> Path:  # agent.imagesRoot (default /var/lib/dynsnap/images)
+        return self.tools / "images"
+
+    @property
+    def cuda_state(self) -> Path:  # agent.stateDir (default /run/dynsnap-cuda)
+        return self.root / "run-dynsnap-cuda"
+
+
+def chart_values(paths: NodePaths, driver: StubDriver) -> Obj:
+    """The values a person installing dynsnap on this node would pass: the chart's defaults but for
+    the host paths (under the run), the controller on the real node (the kwok nodes run nothing), the
+    GPU stand-in's driver for the agent (stub_gpu_stack), and local timing. The agent's nodeSelector stays
+    the chart's (nvidia.com/gpu.present, which the stand-in for GPU feature discovery sets)."""
+    return {
+        "controller": {"nodeSelector": {REAL_NODE_LABEL: "true"}, "scrapeInterval": 1, "verifyTimeout": 90,
+                       "quiesceTimeout": 90, "verbose": True},
+        "agent": {"imagesRoot": str(paths.images), "stateDir": str(paths.cuda_state), "nodeToolsDir": str(paths.tools),
+                  "failureBackoff": 2, "scrapeInterval": 1, "gcInterval": 5, "verbose": True,
+                  **stub_gpu_stack.agent_values(driver)},
+        "uninstall": {"timeout": 120},
+    }
+
+
+@dataclass
+class Helm:
+    bin: str
+    kubeconfig: Path
+    home: Path
+
+    async def run(self, *args: str, timeout: float = HELM_BOUND) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_") and k != "KUBECONFIG"}
+        env |= {"KUBECONFIG": str(self.kubeconfig), "HELM_CACHE_HOME": str(self.home / "cache"),
+                "HELM_CONFIG_HOME": str(self.home / "config"), "HELM_DATA_HOME": str(self.home / "data")}
+        proc = await asyncio.create_subprocess_exec(self.bin, *args, env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise AssertionError(f"helm {' '.join(args[:2])} did not finish within {timeout:.0f}s") from None
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(errors="replace")
+
+
+@dataclass
+class Env:
+    cluster: LocalCluster
+    node: RealNode
+    work: Workloads
+    helm: Helm
+    paths: NodePaths
+    driver: StubDriver
+    images: dict[str, str]  # layout name -> the image name pods use
+    graph: real_graph.Graph | None = None  # the graph deployed last
+    graphs: list[real_graph.Graph] = field(default_factory=list)  # every graph deployed, torn down at stop
+    fe: D.FrontendClient | None = None
+    logs: list[str] = field(default_factory=list)
+    values: Obj = field(default_factory=dict)  # the chart values installed (or last upgraded to)
+
+    @property
+    def api(self) -> Kube:
+        return self.cluster.api
+
+    async def chart_pods(self, component: str) -> list[Obj]:
+        sel = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
+        return list((await self.api.list(R.PODS, namespace=NS, label_selector=sel))["items"])
+
+    async def pod_log(self, namespace: str, name: str, container: str, *, tail: int = 80) -> str:
+        """``kubectl logs``: through the API server from the node's kubelet."""
+        cp = self.cluster.cp
+        assert cp is not None and cp.pki is not None
+        try:
+            async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cp.pki.ca_cert)), timeout=10,
+                                         headers={"Authorization": f"Bearer {cp.identities['admin'].token}"}) as http:
+                r = await http.get(f"{cp.url}/api/v1/namespaces/{namespace}/pods/{name}/log",
+                                   params={"container": container, "tailLines": str(tail)})
+                return r.text
+        except httpx.HTTPError as e:
+            return f"(no log: {e})"
+
+    async def dump_logs(self) -> str:
+        out = []
+        for comp, container in (("controller", "controller"), ("agent", "agent")):
+            for p in await self.chart_pods(comp):
+                out.append(f"--- {p['metadata']['name']} ---\n"
+                           + await self.pod_log(NS, p["metadata"]["name"], container))
+        return "\n".join(out)
+
+
+async def upgrade(env: Env, values: Obj) -> None:
+    """``helm upgrade`` of the installed release to ``values`` (the user's next chart values)."""
+    await _install(env, values, upgrade=True)
+
+
+def _pod_ready(pod: Obj) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+async def _install(env: Env, values: Obj, *, upgrade: bool = False) -> None:
+    """``helm install`` (or ``helm upgrade`` of the release) with ``values``; returns once the chart's
+    two pods, and only they, are Ready on the node (an upgrade's replaced pods gone)."""
+    vfile = env.helm.home / "values.yaml"
+    vfile.write_text(yaml.safe_dump(values))
+    verb = ("upgrade",) if upgrade else ("install", "--create-namespace")
+    code, out = await env.helm.run(*verb, RELEASE, str(CHART), "--namespace", NS, "--values", str(vfile),
+                                   "--wait", "--timeout", "240s")
+    if code != 0:
+        raise AssertionError(f"helm {verb[0]} failed:\n{out}\n{await env.dump_logs()}")
+    env.values = values
+    # helm's --wait counts a DaemonSet ready with maxUnavailable (1) pods not ready: wait for the agent.
+    async def ready() -> bool:
+        pods = [p for comp in ("controller", "agent") for p in await env.chart_pods(comp)]
+        return len(pods) == 2 and all(_pod_ready(p) and p["spec"]["nodeName"] == env.node.name
+                                      and not p["metadata"].get("deletionTimestamp") for p in pods)
+    try:
+        await wait_for("the chart's controller and agent pods Ready on the real node", ready, timeout=180,
+                       interval=1)
+    except TimeoutError:
+        pods = [p for comp in ("controller", "agent") for p in await env.chart_pods(comp)]
+        print([(p["metadata"]["name"], p["spec"].get("nodeName"), p["status"]) for p in pods])
+        raise
+
+
+def example_body(env: Env, *, policy: dict[str, str], example: Path = EXAMPLE, **overlay: Any) -> Obj:
+    """``example`` (an examples/dgd/ graph) under the local overlay with ``policy`` (real_graph.local_overlay;
+    ``overlay``: its other keyword arguments)."""
+    return real_graph.local_overlay(
+        yaml.safe_load(example.read_text()), dynamo_image=env.images["dynsnap-dynamo"],
+        entrypoint_image=env.images["dynsnap-entrypoint"], driver=env.driver, policy=policy,
+        memory_limit=WORKER_MEMORY_LIMIT, **overlay)
+
+
+async def deploy_example(env: Env, body: Obj, *, timeout: float = 240) -> real_graph.Graph:
+    """Deploy ``body`` on the node; returns once every pod of it is Ready (the controller sets each
+    new worker's serving gate, then the probes make them Ready) and its frontend lists the model;
+    the graph and its frontend's client are ``env.graph`` and ``env.fe``."""
+    graph = await real_graph.deploy(env.api, body, node=env.node.name)
+    env.graphs.append(graph)
+    env.graph = graph
+    pods = [p for ps in graph.pods.values() for p in ps]
+    try:
+        await asyncio.gather(*(env.cluster.wait_ready(p.namespace, p.name, timeout=timeout) for p in pods))
+    except TimeoutError:
+        for p in pods:
+            st = (await env.api.get(R.PODS, p.name, namespace=p.namespace))["status"]
+            print(p.name, [(c["name"], c["state"]) for c in st.get("initContainerStatuses") or []],
+                  [(c["name"], c["state"], c["restartCount"]) for c in st.get("containerStatuses") or []])
+        raise
+    if env.fe is not None:
+        await env.fe.close()
+    env.fe = D.FrontendClient(graph.frontend, timeout=120.0)
+    await env.fe.wait_model(timeout=120)
+    return graph
+
+
+async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpus: int = 2) -> Env:
+    """The node ``name`` Ready with the local images imported, and dynsnap installed on it by ``helm
+    install`` (the chart's controller and agent pods Ready), advertising ``gpus`` GPUs; no graph yet
+    (:func:`deploy_example`)."""
+    assert cluster.cp is not None
+    helm_bin = os.environ.get("DYNSNAP_HELM", "")
+    if not helm_bin or not os.access(helm_bin, os.X_OK):
+        raise FileNotFoundError("$DYNSNAP_HELM is not set or not executable: run ./run setup")
+    layouts = images_dir()
+    node = RealNode(name=name, root=cluster.workdir / "nodes" / name, cp=cluster.cp, net=cluster.net,
+                    api=cluster.api, pod_cidr=real_node_cidr(cluster.net))
+    await node.start()
+    work = Workloads(cluster.cp, work_root / "workloads")
+    home = work_root / "helm"
+    home.mkdir(parents=True, exist_ok=True)
+    env = Env(cluster, node, work, Helm(helm_bin, cluster.cp.kubeconfig_for("admin", home / "admin.kubeconfig"), home),
+              NodePaths(node.layout.root), build_stub_driver(node.layout.root / "stub-nvidia"), {})
+    try:
+        await stub_gpu_stack.advertise(cluster.api, name, gpus=gpus)
+        for image in ("dynsnap-entrypoint", "dynsnap-controller", "dynsnap-agent", "dynsnap-dynamo"):
+            ref = await node.import_image(layouts / image)
+            env.images[image] = ref.removeprefix("docker.io/library/")
+        await work.start()
+        await lift_not_ready_taint(cluster.api, name)
+        await _install(env, chart_values(env.paths, env.driver))
+    except BaseException:
+        print(await env.dump_logs())
+        await stop(env)
+        raise
+    return env
+
+
+async def _uninstall(env: Env) -> str:
+    code, out = await env.helm.run("status", RELEASE, "-n", NS)
+    if code != 0:
+        return ""
+    code, out = await env.helm.run("uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "180s")
+    if code != 0:  # the hook could not wake everything: say so, then take the release down anyway
+        await env.helm.run("uninstall", RELEASE, "-n", NS, "--no-hooks", "--wait", "--timeout", "120s")
+        return f"helm uninstall failed (then done without hooks):\n{out}"
+    return ""
+
+
+async def stop(env: Env) -> list[str]:
+    """Everything down, in reverse; returns what went wrong on the way (the caller asserts it is nothing)."""
+    problems: list[str] = []
+    if env.fe is not None:
+        await env.fe.close()
+    if keep := os.environ.get("DYNSNAP_KEEP_LOGS"):  # the pods' logs, as kubelet keeps them, beside the sandboxes'
+        with contextlib.suppress(OSError):
+            shutil.copytree(env.node.layout.pod_logs, Path(keep) / "real-node-pods", dirs_exist_ok=True)
+    for graph in reversed(env.graphs):
+        with contextlib.suppress(Exception):
+            await real_graph.teardown(env.api, graph)
+    with contextlib.suppress(Exception):
+        if said := await _uninstall(env):
+            problems.append(said)
+    with contextlib.suppress(NotFound):
+        await env.api.delete(R.NAMESPACES, NS)
+    problems += env.work.failed() + env.node.failed()
+    await env.work.stop()
+    await env.node.stop()
+    problems += await env.node.leftovers()
+    return problems
+
+
