@@ -223,10 +223,11 @@ async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_
     the tests above), and the frontend's and the awake peer's readiness is sampled beside them. A
     restarted kubelet keeps no probe result: every container there
     counts as not started and not ready until its startup and readiness probes run again (the example's
-    startupProbe every 10 s), so the peer leaves its EndpointSlice for those seconds and the model
-    answers 404, with dynsnap or without. The test says exactly that: every failed request is a 404
-    answered within the frontend's lag (5 s) of a look that saw the frontend or the peer not Ready by
-    kubelet's account, and requests are answered again after."""
+    startupProbe every 10 s), so the peer leaves its EndpointSlice for those seconds and the frontend
+    has no worker for the model: it answers 404 (model gone) or 503 (``Service temporarily unavailable``:
+    listed, no instance to route to), with dynsnap or without. The test says exactly that: every failed
+    request is one of those two answered within the frontend's lag (10 s) of a look that saw the frontend
+    or the peer not Ready by kubelet's account, and requests are answered again after."""
     assert env.graph is not None and env.fe is not None
     w = env.graph.workers(WORKER_COMPONENT)[0]
     others = [env.graph.frontend, *[p for p in env.graph.workers(WORKER_COMPONENT) if p.name != w.name]]
@@ -261,7 +262,9 @@ async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_
         assert asleep(ws) and ws is not None and ws["status"]["lastCapture"]["id"] == \
             slept["status"]["lastCapture"]["id"], ws
 
-    lag = 5.0  # the frontend sees an EndpointSlice change through its watch, within a second or two
+    # The frontend sees an EndpointSlice change through its watch and then finds the instance again: mostly
+    # within a second or two, once 6 s after the peer's one not-Ready look (a kubelet restart, 2026-12-02).
+    lag = 10.0
     load = Load(env.fe, concurrency=1, pause=0.5, max_tokens=2)
     sampler: list[asyncio.Task[None]] = []
     try:
@@ -285,7 +288,8 @@ async def test_a_node_daemon_restarted_under_a_sleeping_worker_then_it_wakes_in_
     failed = load.failures()
     print(f"\n{daemon} restart under a {tier} sleeper: {len(failed)} of {len(load.results)} requests failed; "
           f"the frontend or the peer seen not Ready {len(not_ready)} times (every 0.25 s)")
-    for r in failed:  # a 404 within the lag of a not-Ready look, either side (the looks are 0.25 s apart)
-        assert r[1] == 404 and any(abs(t - r[0]) <= lag for t in not_ready), (r, not_ready[:3], not_ready[-3:])
+    for r in failed:  # no worker, within the lag of a not-Ready look, either side (the looks are 0.25 s apart)
+        no_worker = r[1] == 404 or (r[1] == 503 and "Service temporarily unavailable" in r[3])
+        assert no_worker and any(abs(t - r[0]) <= lag for t in not_ready), (r, not_ready[:3], not_ready[-3:])
     after = [r for r in load.results if r[0] > (not_ready[-1] if not_ready else 0.0) + lag]
     assert len(after) >= 3 and all(r[1] == 200 for r in after), after[:5]
