@@ -30,6 +30,7 @@ DYNAMO_MODEL = "dynsnap/models/dynamo.py"
 DYNAMO_HARNESS = "dynsnap/testenv/dynamo.py"
 NODE = "dynsnap/testenv/node.py"
 NODE_CONFIG = "dynsnap/testenv/node_config.py"
+DEMO_STORY = "dynsnap/demo_story.py"
 
 UNITS = "tests/unit/test_testenv_units.py::"
 READY_RULE = UNITS + "test_ready_is_containers_ready_and_every_gate"
@@ -42,6 +43,7 @@ LIVENESS = "tests/integration/test_stub_kubelet.py::test_liveness_failures_are_c
 REAL_NODE = "tests/integration/test_real_node.py"
 REAL_POD = REAL_NODE + "::test_pod_runs_on_the_real_node"
 IMAGE_REF = "tests/unit/test_testenv_node.py::test_image_ref_is_the_name_the_cri_looks_up"
+THROUGH_GATE = "tests/unit/test_demo_kubelet_watch.py"
 
 MUTATIONS = (
     mutation(
@@ -107,6 +109,16 @@ MUTATIONS = (
         "node-cgroups-left", "real node: its cgroup tree is not removed when it stops", NODE,
         "        await clean.remove_cgroup_tree(self.cgroup_root)\n", "",
         tests=[REAL_NODE], modules=["dynsnap.testenv.node"]),
+    mutation(
+        "demo-not-ready-by-probe-passes", "demo: a worker not Ready while its gate was True counts as out of "
+        "serving through the gate", DEMO_STORY,
+        '            if not ready and gate != "False" and seen[i - 1][0] != "False":\n',
+        "            if False:\n",
+        tests=[THROUGH_GATE], modules=["dynsnap.demo_story"]),
+    mutation(
+        "demo-left-out-passes", "demo: a worker still not Ready at the end counts as back", DEMO_STORY,
+        "        if first is None or not seen[-1][1]:\n", "        if first is None:\n",
+        tests=[THROUGH_GATE], modules=["dynsnap.demo_story"]),
 )
 
 SUITE = Suite(
