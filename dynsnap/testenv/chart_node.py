@@ -83,7 +83,7 @@ def chart_values(paths: NodePaths, driver: StubDriver) -> Obj:
         "controller": {"nodeSelector": {REAL_NODE_LABEL: "true"}, "scrapeInterval": 1, "verifyTimeout": 90,
                        "quiesceTimeout": 90, "verbose": True},
         "agent": {"imagesRoot": str(paths.images), "stateDir": str(paths.cuda_state), "nodeToolsDir": str(paths.tools),
-                  "failureBackoff": 2, "scrapeInterval": 1, "gcInterval": 5, "verbose": True,
+                  "failureBackoff": 2, "scrapeInterval": 1, "activityGranularity": 0, "gcInterval": 5, "verbose": True,
                   **stub_gpu_stack.agent_values(driver)},
         "uninstall": {"timeout": 120},
     }
@@ -223,10 +223,12 @@ async def deploy_example(env: Env, body: Obj, *, timeout: float = 240) -> real_g
     return graph
 
 
-async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpus: int = 2) -> Env:
+async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpus: int = 2,
+                values: Obj | None = None) -> Env:
     """The node ``name`` Ready with the local images imported, and dynsnap installed on it by ``helm
     install`` (the chart's controller and agent pods Ready), advertising ``gpus`` GPUs; no graph yet
-    (:func:`deploy_example`)."""
+    (:func:`deploy_example`). ``values``: more chart values, per section (``{"controller": {...}}``) over
+    :func:`chart_values`."""
     assert cluster.cp is not None
     helm_bin = os.environ.get("DYNSNAP_HELM", "")
     if not helm_bin or not os.access(helm_bin, os.X_OK):
@@ -247,7 +249,10 @@ async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpu
             env.images[image] = ref.removeprefix("docker.io/library/")
         await work.start()
         await lift_not_ready_taint(cluster.api, name)
-        await _install(env, chart_values(env.paths, env.driver))
+        base = chart_values(env.paths, env.driver)
+        for section, more in (values or {}).items():
+            base[section] = {**(base.get(section) or {}), **more}
+        await _install(env, base)
     except BaseException:
         print(await env.dump_logs())
         await stop(env)

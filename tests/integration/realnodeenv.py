@@ -1,7 +1,8 @@
 """A real-node test module's environment: dynsnap installed on the real node by ``helm install``
-(dynsnap/testenv/chart_node.py) and examples/dgd/agg.yaml deployed on it under the local overlay
-with the module's tier; the chart's pods' logs printed if the module fails; everything torn down
-after, which must leave nothing wrong behind.
+(dynsnap/testenv/chart_node.py), and the graphs the tests deploy on it under the local overlay
+(examples/dgd/agg.yaml; ``running`` deploys it for the whole module with the module's tier); the
+chart's pods' logs printed if the module fails; everything torn down after, which must leave
+nothing wrong behind.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -12,19 +13,21 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from dynsnap.testenv import chart_node
+from dynsnap.k8s.client import Obj
+from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env, upgrade
 from dynsnap.testenv.cluster import LocalCluster
 
-__all__ = ["NODE", "NS", "RELEASE", "WORKER_COMPONENT", "Env", "running", "upgrade"]
+__all__ = ["NODE", "NS", "RELEASE", "WORKER_COMPONENT", "Env", "deployed", "installed", "running", "upgrade"]
 
 
 @contextlib.asynccontextmanager
-async def running(cluster: LocalCluster, work_root: Path, *, tier: str) -> AsyncIterator[Env]:
-    """The module's :class:`Env`, examples/dgd/agg.yaml deployed with ``dynsnap.io/tier: tier``."""
-    e = await chart_node.start(cluster, work_root)
+async def installed(cluster: LocalCluster, work_root: Path, *, gpus: int = 2, values: Obj | None = None
+                    ) -> AsyncIterator[Env]:
+    """The node with dynsnap installed (``values``: more chart values) and no graph yet (the tests deploy
+    theirs: :func:`deployed`)."""
+    e = await chart_node.start(cluster, work_root, gpus=gpus, values=values)
     try:
-        await chart_node.deploy_example(e, chart_node.example_body(e, policy={"dynsnap.io/tier": tier}))
         yield e
     except BaseException:
         print(await e.dump_logs())
@@ -32,3 +35,22 @@ async def running(cluster: LocalCluster, work_root: Path, *, tier: str) -> Async
     finally:
         problems = await chart_node.stop(e)
         assert not problems, "\n".join(problems)
+
+
+@contextlib.asynccontextmanager
+async def running(cluster: LocalCluster, work_root: Path, *, tier: str) -> AsyncIterator[Env]:
+    """The module's :class:`Env`, examples/dgd/agg.yaml deployed with ``dynsnap.io/tier: tier``."""
+    async with installed(cluster, work_root) as e:
+        await chart_node.deploy_example(e, chart_node.example_body(e, policy={"dynsnap.io/tier": tier}))
+        yield e
+
+
+@contextlib.asynccontextmanager
+async def deployed(env: Env, body: Obj) -> AsyncIterator[real_graph.Graph]:
+    """One test's graph: deployed Ready (chart_node.deploy_example), deleted with its pods after."""
+    graph = await chart_node.deploy_example(env, body)
+    try:
+        yield graph
+    finally:
+        await real_graph.teardown(env.api, graph)
+        env.graphs.remove(graph)

@@ -1,9 +1,12 @@
 """A capture the agent refuses for a reason that will not go away (issue 18): the worker is back in
-serving at once and is not asked again until the policy changes.
+serving at once and is not asked again until the policy changes. On the real node (kubelet,
+containerd, runc; dynsnap installed by ``helm install``: realnodeenv.py), each case its own graph of
+examples/dgd/agg.yaml under the local overlay.
 
 Two idle workers of one component (min-active 1, tier snapshot) whose entrypoint makes every snapshot
 impossible, for real: started with ``--no-seccomp`` (the agent refuses ``SeccompOff``), or in a
-container without capabilities and told not to cycle pids (the reservation fails: the agent refuses
+container without capabilities (writing ns_last_pid is refused: containerd mounts /proc/sys read-only
+besides) and told not to cycle pids instead (the reservation fails: the agent refuses
 ``PidReservationMissing``; tests/integration/test_agent_pidfloor.py shows the agent's side). The
 controller quiesces one for idleness and asks for the capture; the agent refuses it. Then, for each
 worker in turn (the planner picks the other once the first is back):
@@ -11,7 +14,8 @@ worker in turn (the planner picks the other once the first is back):
 - the refusal on record (``status.controller.refusal``: the agent's reason, the pod UID, the spec's
   generation, the policy's hash) and a Warning Event ``CaptureRefused`` naming the reason;
 - back in serving: desiredState Active, the return verified (a recall: the worker never left), its
-  serving gate True, its EndpointSlice endpoint ready, and requests pinned to it answered by it;
+  serving gate True, kubelet's Ready True, its EndpointSlice endpoint ready, and requests pinned to it
+  answered by it;
 - never quiesced again while it stays idle (no new quiesce, desiredState Active throughout a window
   of several idle-afters);
 - once the component's policy changes (tier suspend, which needs neither the io_uring filter nor the
@@ -24,21 +28,22 @@ answered 400, while the agent retried (the controller had set Suspended and coun
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-from controllerenv import CtlEnv, asleep, events_for, gate_of, get_ws, history, policy, running, wait_ws
+from controllerenv import asleep, events_for, gate_of, get_ws, history, policy, wait_ws
+from realnodeenv import WORKER_COMPONENT, Env, deployed, installed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.runtime.command import find_tool
-from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
-from dynsnap.testenv.dynsnap_parts import StubDriver, worker_component
+from dynsnap.testenv import chart_node, stub_operator
+from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.real_graph import Graph, NodePod
 
 pytestmark = pytest.mark.cluster
 
@@ -46,37 +51,40 @@ IDLE_AFTER = 2  # seconds
 QUIET_WINDOW = 12.0  # several idle-afters: long enough for the planner to have asked again, had it
 
 
-def no_seccomp(comp: Obj) -> None:
+def no_seccomp(main: Obj) -> None:
     """The entrypoint told not to install its io_uring filter: the agent refuses SeccompOff."""
-    cmd: list[str] = comp["extraPodSpec"]["mainContainer"]["command"]
+    cmd: list[str] = main["command"]
     cmd.insert(cmd.index("--"), "--no-seccomp")
 
 
-def no_pid_reservation(comp: Obj) -> None:
-    """The whole container without capabilities (writing ns_last_pid is refused) and the entrypoint told
+def no_pid_reservation(main: Obj) -> None:
+    """The worker container without capabilities (writing ns_last_pid is refused) and the entrypoint told
     not to cycle pids instead: the reservation fails and the agent refuses PidReservationMissing (as in
     test_agent_pidfloor.py)."""
-    main = comp["extraPodSpec"]["mainContainer"]
     cmd: list[str] = main["command"]
-    at = next(i for i, a in enumerate(cmd) if a.endswith("dynsnap-entrypoint"))
-    cmd.insert(at + 1, "--no-pid-cycle")
-    main["command"] = [find_tool("setpriv"), "--bounding-set", "-all", "--inh-caps", "-all", "--ambient-caps", "-all",
-                       "--", *cmd]
+    cmd.insert(cmd.index("--"), "--no-pid-cycle")
+    main.setdefault("securityContext", {})["capabilities"] = {"drop": ["ALL"]}
 
 
 CASES: dict[str, Callable[[Obj], None]] = {"SeccompOff": no_seccomp, "PidReservationMissing": no_pid_reservation}
 
 
-def graph(name: str, spoil: Callable[[Obj], None]) -> Callable[[StubDriver], Obj]:
-    def make(driver: StubDriver) -> Obj:
-        worker = worker_component("worker", replicas=2, driver=driver)
-        spoil(worker)
-        worker["annotations"] = policy(min_active=1, verify_requests=2)
-        body = D.dgd(name, [D.frontend_component(), worker])
-        body["metadata"]["annotations"] = policy(enabled=True, idle_after=f"{IDLE_AFTER}s", tier="snapshot",
-                                                 wake_at_inflight=1)
-        return body
-    return make
+@pytest.fixture(scope="module")
+async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-refusals"))) as e:
+        yield e
+
+
+def graph(env: Env, name: str, spoil: Callable[[Obj], None]) -> Obj:
+    """examples/dgd/agg.yaml as the case's graph: the graph's policy, the component's own (on its pod
+    template), and the worker's command or container spoiled by ``spoil``."""
+    body = chart_node.example_body(env, name=name, policy=policy(
+        enabled=True, idle_after=f"{IDLE_AFTER}s", tier="snapshot", wake_at_inflight=1))
+    worker = next(c for c in body["spec"]["components"] if stub_operator.component_type(c) == "worker")
+    worker["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(
+        policy(min_active=1, verify_requests=2))
+    spoil(next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main"))
+    return body
 
 
 def record(ws: Obj | None) -> dict[str, Any]:
@@ -95,21 +103,23 @@ def back_after_refusal(reason: str) -> Callable[[Obj | None], bool]:
     return check
 
 
-async def assert_serving(env: CtlEnv, pod: RunningPod) -> None:
-    """Gate True, endpoint ready, and requests pinned to it answered by it."""
+async def assert_serving(env: Env, pod: NodePod) -> None:
+    """Gate True, kubelet's Ready True, endpoint ready, and requests pinned to it answered by it."""
     live = await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
     assert gate_of(live) == "True", live["status"]
+    assert any(c["type"] == "Ready" and c["status"] == "True" for c in live["status"]["conditions"]), live["status"]
     ep = await env.cluster.endpoint_of(pod, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
     assert ep is not None and ep["conditions"].get("ready") is True, ep
     wid = instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
+    assert env.fe is not None
     for _ in range(3):
         answer = await env.fe.chat("still yours?", worker_id=wid, max_tokens=2)
         assert answer.status == 200 and answer.worker_id == wid, answer.body
 
 
-async def set_tier(env: CtlEnv, tier: str) -> None:
+async def set_tier(env: Env, g: Graph, tier: str) -> None:
     """What a user's `kubectl edit` of the DGD does: the graph's dynsnap.io/tier changed."""
-    name, ns = env.graph.dgd["metadata"]["name"], env.graph.dgd["metadata"]["namespace"]
+    name, ns = g.dgd["metadata"]["name"], g.dgd["metadata"]["namespace"]
     for _ in range(10):
         obj = await env.api.get(R.DGDS, name, namespace=ns)
         obj["metadata"].setdefault("annotations", {})[P.ANN_TIER] = tier
@@ -123,10 +133,9 @@ async def set_tier(env: CtlEnv, tier: str) -> None:
 
 @pytest.mark.parametrize("reason", list(CASES))
 async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again(
-        cluster: LocalCluster, reason: str) -> None:
-    async with running(cluster, graph(f"refuse-{reason.lower()}", CASES[reason]),
-                       controller_args=["--capture-timeout", "120", "--wake-timeout", "120"]) as env:
-        workers = env.graph.workers("worker")
+        env: Env, reason: str) -> None:
+    async with deployed(env, graph(env, f"refuse-{reason.lower()}", CASES[reason])) as g:
+        workers = g.workers(WORKER_COMPONENT)
         for pod in workers:  # the planner takes them in turn: one refused and back, then the other
             ws = await wait_ws(env, pod, f"refused {reason}, back in serving, verified", back_after_refusal(reason),
                                timeout=180)
@@ -152,13 +161,13 @@ async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_
             assert (seen[-1]["status"].get("idle") or {}).get("idleSince"), f"{pod.name} is not idle"
             await assert_serving(env, pod)
         # The policy changes: asked again, and at tier suspend the capture is not refused.
-        await set_tier(env, "suspend")
+        await set_tier(env, g, "suspend")
         slept = await wait_ws_any(env, workers, lambda ws: asleep(ws) and record(ws)["quiesce"]["id"] not in
                                   quiesced.values())
         assert "refusal" not in record(slept) and slept["spec"]["tier"] == "suspend", record(slept)
 
 
-async def wait_ws_any(env: CtlEnv, pods: list[RunningPod], check: Callable[[Obj | None], bool],
+async def wait_ws_any(env: Env, pods: list[NodePod], check: Callable[[Obj | None], bool],
                       timeout: float = 120) -> Obj:
     """The first WorkerSnapshot of ``pods`` for which ``check`` holds."""
     async def probe() -> Obj | None:

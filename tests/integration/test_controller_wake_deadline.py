@@ -1,9 +1,11 @@
 """A wake that never reaches Active is a failed wake (issue 18), and the planner makes up for it.
+On the real node (kubelet, containerd, runc; dynsnap installed by ``helm install`` with
+``controller.wakeTimeout`` 25 s: realnodeenv.py), each case its own graph of examples/dgd/agg.yaml.
 
 Three workers of one component (tier snapshot, min-active 1): idleness puts two to sleep, their
-trees dumped by the real CRIU. The image of the one captured last (the one a deficit wakes first) is
-then damaged on its node, for real, and the component's min-active raised to 2, so the controller
-wakes it:
+trees dumped by the real CRIU inside their containers. The image of the one captured last (the one a
+deficit wakes first) is then damaged on the node, for real, and the component's min-active raised
+to 2, so the controller wakes it:
 
 - ``corrupted`` (``pstree.img`` overwritten with garbage): every CRIU restore fails
   (``CriuRestoreFailed``) and the agent retries with backoff; the worker stays Waking. Past
@@ -14,54 +16,64 @@ wakes it:
 Either way: ``Verified=False`` ``WakeFailed`` with the agent's reason in its message, a Warning Event,
 ``status.controller.verification`` failed for that wake with the policy's fallback (``restart``: the
 pod deleted with its UID as precondition; ``none``: left out of serving, its gate False), and the
-other sleeping worker woken in its place, verified. Before issue 18 the corrupted worker counted as
-awake while it kept failing (nothing woken in its place, no verdict), and the lost one got no verdict.
+other sleeping worker woken in its place, verified. With ``none`` kubelet still runs the damaged
+worker's container, never restarted: only the gate keeps it out of serving. Before issue 18 the
+corrupted worker counted as awake while it kept failing (nothing woken in its place, no verdict), and
+the lost one got no verdict.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from controllerenv import CtlEnv, asleep, cond, events_for, gate_of, get_ws, history, policy, running, wait_ws
+from controllerenv import asleep, cond, events_for, gate_of, get_ws, history, policy, wait_ws
+from realnodeenv import WORKER_COMPONENT, Env, deployed, installed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict, NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
-from dynsnap.testenv.dynsnap_parts import StubDriver, worker_component
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.real_graph import Graph, NodePod, kubelet_facts
 
 pytestmark = pytest.mark.cluster
 
-WAKE_TIMEOUT = 25  # seconds from the wake request to Active and verified
+WAKE_TIMEOUT = 25  # seconds from the wake request to Active and verified (the chart's controller.wakeTimeout)
 
 
-def graph(name: str, on_failed_wake: str) -> Callable[[StubDriver], Obj]:
-    def make(driver: StubDriver) -> Obj:
-        worker = worker_component("worker", replicas=3, driver=driver)
-        worker["annotations"] = policy(min_active=1, verify_requests=2, on_failed_wake=on_failed_wake)
-        body = D.dgd(name, [D.frontend_component(), worker])
-        body["metadata"]["annotations"] = policy(enabled=True, idle_after="2s", tier="snapshot", wake_at_inflight=1)
-        return body
-    return make
+@pytest.fixture(scope="module")
+async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-wake-deadline")), gpus=3,
+                         values={"controller": {"wakeTimeout": WAKE_TIMEOUT}}) as e:
+        yield e
 
 
-def capture_dir(env: CtlEnv, pod: RunningPod) -> Path:
-    """The worker's one finished capture on its node (its agent's image directory)."""
-    agent = next(a for a in env.agents if a.node == pod.node)
-    pod_dir = agent.images_root / f"{pod.namespace}_{pod.name}_{pod.uid}"
+def graph(env: Env, name: str, on_failed_wake: str) -> Obj:
+    """examples/dgd/agg.yaml with three workers, the graph's policy and the component's own (on its pod
+    template)."""
+    body = chart_node.example_body(env, name=name, worker_replicas=3, policy=policy(
+        enabled=True, idle_after="2s", tier="snapshot", wake_at_inflight=1))
+    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+    worker["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(
+        policy(min_active=1, verify_requests=2, on_failed_wake=on_failed_wake))
+    return body
+
+
+def capture_dir(env: Env, pod: NodePod) -> Path:
+    """The worker's one finished capture on the node (the agent's images root, the chart's host path)."""
+    pod_dir = env.paths.images / f"{pod.namespace}_{pod.name}_{pod.uid}"
     captures = [d for d in pod_dir.iterdir() if d.is_dir() and not d.name.startswith(P.STAGING_PREFIX)]
     assert len(captures) == 1, captures
     return captures[0]
 
 
-def damage(env: CtlEnv, pod: RunningPod, how: str) -> None:
+def damage(env: Env, pod: NodePod, how: str) -> None:
     d = capture_dir(env, pod)
     if how == "deleted":
         shutil.rmtree(d)
@@ -71,13 +83,13 @@ def damage(env: CtlEnv, pod: RunningPod, how: str) -> None:
     pstree.write_bytes(b"\xde\xad" * 64)
 
 
-async def set_min_active(env: CtlEnv, n: int) -> None:
+async def set_min_active(env: Env, g: Graph, n: int) -> None:
     """What a user's `kubectl edit` of the DGD does: the worker component's min-active changed."""
-    name, ns = env.graph.dgd["metadata"]["name"], env.graph.dgd["metadata"]["namespace"]
+    name, ns = g.dgd["metadata"]["name"], g.dgd["metadata"]["namespace"]
     for _ in range(10):
         obj = await env.api.get(R.DGDS, name, namespace=ns)
-        comp = next(c for c in obj["spec"]["components"] if c["name"] == "worker")
-        comp.setdefault("annotations", {})[P.ANN_MIN_ACTIVE] = str(n)
+        comp = next(c for c in obj["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+        comp["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {})[P.ANN_MIN_ACTIVE] = str(n)
         try:
             await env.api.replace(R.DGDS, obj)
             return
@@ -105,12 +117,12 @@ CASES = [("corrupted", "restart"), ("deleted", "none")]
 
 @pytest.mark.parametrize(("how", "on_failed_wake"), CASES, ids=[f"{h}-{f}" for h, f in CASES])
 async def test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woken_in_its_place(
-        cluster: LocalCluster, how: str, on_failed_wake: str) -> None:
-    async with running(cluster, graph(f"wake-{how}", on_failed_wake),
-                       controller_args=["--wake-timeout", str(WAKE_TIMEOUT)]) as env:
-        workers = env.graph.workers("worker")
+        env: Env, how: str, on_failed_wake: str) -> None:
+    async with deployed(env, graph(env, f"wake-{how}", on_failed_wake)) as g:
+        workers = g.workers(WORKER_COMPONENT)
+        first = {p.name: await kubelet_facts(env.api, p) for p in workers}
 
-        async def two_asleep() -> list[tuple[str, RunningPod]] | None:
+        async def two_asleep() -> list[tuple[str, NodePod]] | None:
             got = [(ws, p) for p in workers if asleep(ws := await get_ws(env.api, p))]
             return [(w["status"]["lastCapture"]["started"], p) for w, p in got] if len(got) == 2 else None
         sleeping = sorted(await wait_for("two of three workers asleep", two_asleep, timeout=180, interval=0.5),
@@ -120,7 +132,7 @@ async def test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woke
         # Every version of its WorkerSnapshot: the restart fallback deletes the pod, and the garbage
         # collector the WorkerSnapshot with it, right after the verdict.
         async with history(env.api, R.WORKER_SNAPSHOTS, failing) as versions:
-            await set_min_active(env, 2)
+            await set_min_active(env, g, 2)
 
             async def verdict() -> Obj | None:
                 return next((v for v in versions if wake_failed(v)), None)
@@ -133,13 +145,17 @@ async def test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woke
             assert "CriuRestoreFailed" in v["message"], v["message"]
         else:
             assert "the agent gave up on the wake: WorkerLost" in v["message"], v["message"]
-        warned = [e for e in await events_for(env.api, failing.namespace, failing.name)
-                  if e["type"] == "Warning" and e["reason"] == "WakeFailed"]
-        assert warned and f"fallback: {v['fallback']}" in warned[-1]["note"], warned
+        async def warned() -> list[Obj] | None:  # the Event may follow the status write it tells of
+            got = [e for e in await events_for(env.api, failing.namespace, failing.name)
+                   if e["type"] == "Warning" and e["reason"] == "WakeFailed"]
+            return got or None
+        events = await wait_for(f"{failing.name}: a WakeFailed Event", warned, timeout=30, interval=0.5)
+        assert f"fallback: {v['fallback']}" in events[-1]["note"], events
 
         # Another sleeping worker woken in its place, and proven.
         await wait_ws(env, spare, "woken in its place, verified", verified_wake, timeout=120)
         wid = instance_id_from_dwm(await env.api.get(R.DWMS, spare.name, namespace=spare.namespace))
+        assert env.fe is not None
         answer = await env.fe.chat("in its place", worker_id=wid, max_tokens=2)
         assert answer.status == 200 and answer.worker_id == wid, answer.body
 
@@ -154,3 +170,6 @@ async def test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woke
             assert v["fallback"] == "none"
             assert live is not None and live["metadata"]["uid"] == failing.uid, "left in place to be looked at"
             assert gate_of(live) == "False", "out of serving"
+            now = await kubelet_facts(env.api, failing)
+            assert (now.container_id, now.restart_count, now.running, now.ready) == (
+                first[failing.name].container_id, 0, True, False), now
