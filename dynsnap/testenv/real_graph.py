@@ -10,7 +10,8 @@ Layer: ``dynsnap.testenv`` (test harness only).
 - the images: the local ones (hack/lib-images.sh: ``dynsnap-dynamo`` for the frontend and the
   workers, ``dynsnap-entrypoint`` for both init containers), imported into the node's containerd;
 - the worker's command after the entrypoint's ``--``: Dynamo's mocker on CPU with the image's
-  tokenizer-only model directory instead of vLLM and a model from the hub (no GPU, no hub here);
+  tokenizer-only model directory instead of vLLM and a model from the hub (no GPU, no hub here), in
+  the component's role (a ``prefill`` or ``decode`` component's mocker in that disaggregation mode);
 - the policy annotations the test asks for (``dynsnap.io/tier`` ...), by name;
 - a memory limit on the worker container, so that a test can show the limit still holds after a wake;
 - the stub driver in the GPU container, where NVIDIA's container toolkit would put the real one
@@ -116,10 +117,13 @@ class Engine:
                                            {"name": "DYNSNAP_LIBCUDA", "value": str(driver.libcuda)}])
 
 
-def mocker_args(*, speedup_ratio: float = 100) -> list[str]:
-    """The worker command after the entrypoint's ``--``: Dynamo's mocker (``python3`` is the image's venv)."""
+def mocker_args(*, speedup_ratio: float = 100, mode: str | None = None) -> list[str]:
+    """The worker command after the entrypoint's ``--``: Dynamo's mocker (``python3`` is the image's venv),
+    in ``mode`` (``prefill``/``decode``: the role vLLM's ``--disaggregation-mode`` gives it in
+    examples/dgd/disagg.yaml; None: aggregated)."""
+    role = ["--disaggregation-mode", mode] if mode else []
     return ["python3", "-m", "dynamo.mocker", "--model-path", MODEL_DIR, "--model-name", MODEL_NAME,
-            "--speedup-ratio", f"{speedup_ratio:g}"]
+            "--speedup-ratio", f"{speedup_ratio:g}", *role]
 
 
 def local_overlay(dgd: Obj, *, dynamo_image: str, entrypoint_image: str, driver: StubDriver,
@@ -145,7 +149,9 @@ def local_overlay(dgd: Obj, *, dynamo_image: str, entrypoint_image: str, driver:
         main = next(c for c in spec["containers"] if c["name"] == "main")
         if "--" not in main.get("command", []):
             raise ValueError(f"component {comp['name']}: its command does not end in the entrypoint's --")
-        main["args"] = mocker_args(speedup_ratio=speedup_ratio) if engine is None else engine.args()
+        ctype = stub_operator.component_type(comp)
+        mode = ctype if ctype in ("prefill", "decode") else None
+        main["args"] = mocker_args(speedup_ratio=speedup_ratio, mode=mode) if engine is None else engine.args()
         main.setdefault("resources", {}).setdefault("limits", {})["memory"] = memory_limit
         if worker_replicas is not None:
             comp["replicas"] = worker_replicas

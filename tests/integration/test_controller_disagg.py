@@ -1,43 +1,51 @@
-"""The controller on a disaggregated graph: a prefill component and a decode component of mocker
-workers, each opted in with its own policy (``min-active: 1``, two replicas), are each captured
-down to one worker when idle and woken by load through the frontend. Every wake is verified with
-the headers its role needs: a prefill worker pinned with ``x-dynamo-prefill-instance-id`` alone,
-a decode worker with both ``x-dynamo-worker-instance-id`` (itself) and
-``x-dynamo-prefill-instance-id`` (a serving prefill worker), and every answer names both. The
-controller and the agents run as their own processes under their shipped RBAC."""
+"""The controller on a disaggregated graph, examples/dgd/disagg.yaml on the real node (kubelet,
+containerd, runc; dynsnap installed by ``helm install``: realnodeenv.py) under the local overlay,
+its workers Dynamo's mocker in their role: a prefill component and a decode component, each opted
+in with its own policy (``min-active: 1``, two replicas), are each captured down to one worker when
+idle and woken by load through the frontend (``--router-mode kv``, as the example has it). Every
+wake is verified with the headers its role needs: a prefill worker pinned with
+``x-dynamo-prefill-instance-id`` alone, a decode worker with both ``x-dynamo-worker-instance-id``
+(itself) and ``x-dynamo-prefill-instance-id`` (a serving prefill worker), and every answer names
+both. kubelet's facts after: every worker's container the same one, never restarted."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from controllerenv import CtlEnv, Load, asleep, events_for, get_ws, policy, running, verified_after, wait_ws
+from controllerenv import Load, asleep, events_for, get_ws, policy, verified_after, wait_ws
+from realnodeenv import Env, deployed, installed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
-from dynsnap.testenv.dynsnap_parts import StubDriver
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.real_graph import Graph, NodePod, kubelet_facts
 
 pytestmark = pytest.mark.cluster
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode")  # the example's component names, and their types
+EXAMPLE = chart_node.ROOT / "examples" / "dgd" / "disagg.yaml"
 
 
-def graph(tier: str) -> Any:
-    def make(driver: StubDriver) -> Obj:
-        env = {"LD_PRELOAD": str(driver.libcuda)}
-        comps = []
-        for role in ROLES:
-            c = D.mocker_component(role, replicas=2, mode=role, sub=role, dynsnap=True, speedup_ratio=1, env=env)
-            c["annotations"] = policy(min_active=1, verify_requests=3)  # each component its own limit
-            comps.append(c)
-        body = D.dgd(f"ctl-disagg-{tier}", [D.frontend_component(router_mode="kv"), *comps])
-        body["metadata"]["annotations"] = policy(enabled=True, idle_after="3s", tier=tier, wake_at_inflight=1)
-        return body
-    return make
+@pytest.fixture(scope="module")
+async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-disagg")), gpus=4) as e:
+        yield e
+
+
+def graph(env: Env, tier: str) -> Obj:
+    body = chart_node.example_body(env, example=EXAMPLE, name=f"ctl-disagg-{tier}", speedup_ratio=1, policy=policy(
+        enabled=True, idle_after="3s", tier=tier, wake_at_inflight=1))
+    for comp in body["spec"]["components"]:
+        if comp["name"] in ROLES:  # each component its own limit
+            comp["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(
+                policy(min_active=1, verify_requests=3))
+    return body
 
 
 def status_fields_of(ws: Obj, manager: str) -> Obj:
@@ -49,7 +57,7 @@ def status_fields_of(ws: Obj, manager: str) -> Obj:
     return owned
 
 
-async def _iid(env: CtlEnv, pod: RunningPod) -> int:
+async def _iid(env: Env, pod: NodePod) -> int:
     return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
 
 
@@ -68,24 +76,26 @@ def verified_or_failing(since: str | None) -> Any:
     return check
 
 
-async def _asleep_in(env: CtlEnv, role: str) -> list[RunningPod]:
-    return [p for p in env.graph.workers(role) if asleep(await get_ws(env.api, p))]
+async def _asleep_in(env: Env, g: Graph, role: str) -> list[NodePod]:
+    return [p for p in g.workers(role) if asleep(await get_ws(env.api, p))]
 
 
 @pytest.mark.parametrize("tier", ["suspend", "snapshot"])
 async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_with_their_headers(
-        cluster: LocalCluster, tier: str) -> None:
-    async with running(cluster, graph(tier)) as env:
-        ids = {p.name: await _iid(env, p) for role in ROLES for p in env.graph.workers(role)}
-        prefill_ids = {ids[p.name] for p in env.graph.workers("prefill")}
+        env: Env, tier: str) -> None:
+    async with deployed(env, graph(env, tier)) as g:
+        assert env.fe is not None
+        ids = {p.name: await _iid(env, p) for role in ROLES for p in g.workers(role)}
+        prefill_ids = {ids[p.name] for p in g.workers("prefill")}
+        first = {p.name: await kubelet_facts(env.api, p) for role in ROLES for p in g.workers(role)}
 
         # Idle: each component is captured down to its own min-active, never below it.
         async def one_asleep_in_each() -> bool:
-            return all([len(await _asleep_in(env, role)) == 1 for role in ROLES])
+            return all([len(await _asleep_in(env, g, role)) == 1 for role in ROLES])
         await wait_for("one worker of each component asleep", one_asleep_in_each, timeout=180, interval=0.5)
-        sleeping = {role: (await _asleep_in(env, role))[0] for role in ROLES}
+        sleeping = {role: (await _asleep_in(env, g, role))[0] for role in ROLES}
         for role in ROLES:
-            awake = [p for p in env.graph.workers(role) if p is not sleeping[role]]
+            awake = [p for p in g.workers(role) if p != sleeping[role]]
             assert len(awake) == 1 and not asleep(await get_ws(env.api, awake[0])), role
         before = {role: ((await get_ws(env.api, p)) or {})["status"].get("lastWake", {}).get("id")
                   for role, p in sleeping.items()}
@@ -138,9 +148,14 @@ async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_wit
                 assert key in ctl.get("f:conditions", {}) and key not in agent.get("f:conditions", {}), (ctype, agent)
 
         # All four serve again: requests pinned with both headers reach every decode/prefill pair.
-        for d in env.graph.workers("decode"):
-            for pf in env.graph.workers("prefill"):
+        for d in g.workers("decode"):
+            for pf in g.workers("prefill"):
                 await env.fe.wait_routable(ids[d.name], prefill_id=ids[pf.name])
                 r = await env.fe.chat("after", worker_id=ids[d.name], prefill_id=ids[pf.name], max_tokens=2)
                 assert r.status == 200, r.body
                 assert (r.worker_id, r.prefill_worker_id) == (ids[d.name], ids[pf.name])
+        # kubelet's own account: every worker's container the same one throughout, never restarted.
+        for role in ROLES:
+            for p in g.workers(role):
+                now = await kubelet_facts(env.api, p)
+                assert (now.container_id, now.restart_count, now.running) == (first[p.name].container_id, 0, True), now
