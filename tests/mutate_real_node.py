@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.mutation import images
 from tests.mutation.runner import Suite, main, mutation
 
 NODE = "dynsnap/testenv/node.py"
@@ -45,24 +46,6 @@ EXTRA_VOLUMES = "tests/unit/test_helm_chart.py::test_agent_extra_volumes_reach_t
 ENTRYPOINT_IMAGE = "tests/integration/test_images.py::test_entrypoint_image_is_busybox_and_the_static_entrypoint"
 CONTAINERFILE_CRIU = ("tests/unit/test_containerfiles.py::"
                       "test_agent_containerfile_builds_criu_with_every_dynsnap_patch_in_order")
-
-# The image set of the tree as it is, into the run's own cache (see the module docstring).
-BUILD_IMAGES = r"""set -euo pipefail
-shared="${DYNSNAP_CACHE:?the environment of ./run env}" private="{work}/cache"
-if [[ ! -d "$private" ]]; then
-  mkdir -p "$private"
-  cp -al "$shared/images-base" "$shared/images-layers" "$shared"/images-wheels-* "$private/"
-  for d in "$shared"/*; do
-    n=$(basename "$d")
-    case "$n" in images-*) continue ;; esac  # image sets are never linked: setup_images deletes old ones
-    ln -s "$d" "$private/$n"
-  done
-fi
-export DYNSNAP_CACHE="$private" ROOT="{root}"
-source "{root}/hack/setup.sh"
-setup_images
-ln -sfn "$DYNSNAP_IMAGES" "{work}/images"
-"""
 
 MUTATIONS = (
     mutation(
@@ -107,8 +90,8 @@ SUITE = Suite(
     name="real-node",
     doc="docs/TESTING.md",
     mutations=MUTATIONS,
-    build=("bash", "-c", BUILD_IMAGES),
-    env={"DYNSNAP_IMAGES": "{work}/images"},
+    build=images.BUILD,
+    env=images.ENV,
     default_env={"DYNSNAP_TEST_BRIDGE": "dsnmut3", "DYNSNAP_TEST_CIDR": "10.221.0.0/16",
                  "DYNSNAP_KEEP_LOGS": "{work}/test-logs"},  # a killed mutant's logs stay out of test-logs/
     timeout=1200,

@@ -18,7 +18,13 @@ from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env, upgrade
 from dynsnap.testenv.cluster import LocalCluster
 
-__all__ = ["NODE", "NS", "RELEASE", "WORKER_COMPONENT", "Env", "deployed", "installed", "running", "upgrade"]
+__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "component_policy", "deployed",
+           "installed", "running", "upgrade"]
+
+# The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
+# controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
+# long enough for any wake here (well under a second) and its verification.
+SHARED_VALUES: Obj = {"controller": {"wakeTimeout": 30}}
 
 
 @contextlib.asynccontextmanager
@@ -54,3 +60,11 @@ async def deployed(env: Env, body: Obj) -> AsyncIterator[real_graph.Graph]:
     finally:
         await real_graph.teardown(env.api, graph)
         env.graphs.remove(graph)
+
+
+def component_policy(body: Obj, component: str, annotations: dict[str, str]) -> Obj:
+    """``body`` with ``annotations`` on ``component``'s pod template (a component's own dynsnap policy,
+    where Dynamo 1.6.1's v1beta1 keeps a component's metadata); returns ``body``."""
+    comp = next(c for c in body["spec"]["components"] if c["name"] == component)
+    comp["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
+    return body

@@ -10,8 +10,11 @@ The controller and the agents run as their own processes in the integration test
 dynsnap controller|agent`), which import the mutated module themselves: for those rows the mutant
 stays on disk for the whole pytest run (no early restore), so do not run this beside other work in
 the same tree (or run it in a copy of the tree: `git archive HEAD | tar -x -C DIR`, then this script
-from DIR; `python -m dynsnap` imports the copy's package from its working directory). Rows whose
-tests are unit tests only restore the file as soon as pytest has collected. The cluster gets its own
+from DIR; `python -m dynsnap` imports the copy's package from its working directory). The rows whose
+tests are in tests/integration/node/ run the controller from its image on the real node, so every
+mutant (and the baseline) first builds the image set of the mutated tree (tests/mutation/images.py),
+which the tests get as $DYNSNAP_IMAGES. Rows whose tests are unit tests only restore the file as soon
+as pytest has collected. The cluster gets its own
 bridge and /16 (dsnmut2, 10.219.0.0/16) unless DYNSNAP_TEST_BRIDGE / DYNSNAP_TEST_CIDR say otherwise.
 tests/mutation/runner.py says how a run goes and what each outcome means.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.mutation import images
 from tests.mutation.runner import Suite, main, mutation
 
 PLAN = "dynsnap/controller/plan.py"
@@ -56,7 +60,7 @@ DWM_TRANSPORT = FALSE + "[dwm-transport-none]"
 QUIESCE = "tests/integration/test_controller_quiesce.py::"
 SLICES_LAG = QUIESCE + "test_no_capture_while_the_controller_still_sees_the_endpoint_ready"
 FRONTEND_LAG = QUIESCE + "test_no_capture_while_the_frontend_still_routes_to_the_worker"
-DISAGG = ("tests/integration/test_controller_disagg.py::"
+DISAGG = ("tests/integration/node/test_controller_disagg.py::"
           "test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_with_their_headers[suspend]")
 FRONTEND_DOWN = QUIESCE + "test_no_capture_while_the_frontend_cannot_say_it_stopped_routing"
 PHASES_UNIT = "tests/unit/test_controller_phases.py::"
@@ -67,9 +71,9 @@ ROUTING_UNIT = "tests/unit/test_controller_routing.py::"
 WOR_LAST_UNIT = PLAN_UNIT + "test_with_wake_on_request_only_the_last_worker_sleeps_routable"
 WOR_HELD_UNIT = PLAN_UNIT + "test_a_routable_sleeper_is_its_agents_to_wake_and_counts_as_waking"
 WOR_TWO = "tests/integration/test_wake_on_request.py::test_two_requests_at_once_wake_one_worker_not_two"
-REFUSED_FOR_GOOD = ("tests/integration/test_controller_refusals.py::"
+REFUSED_FOR_GOOD = ("tests/integration/node/test_controller_refusals.py::"
                     "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again")
-WAKE_FAILS = ("tests/integration/test_controller_wake_deadline.py::"
+WAKE_FAILS = ("tests/integration/node/test_controller_wake_deadline.py::"
               "test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woken_in_its_place")
 
 IDENTITY = ("    problem = identity_problem(s, rec.identity, F.dwm_of(ctx.stores.dwms, s.pod))\n"
@@ -322,6 +326,10 @@ SUITE = Suite(
     name="controller",
     doc="docs/TESTING.md",
     mutations=MUTATIONS,
+    # The rows of tests/integration/node/ run the controller from its image on the real node: every
+    # mutant's image set is built from the mutated tree (tests/mutation/images.py).
+    build=images.BUILD,
+    env=images.ENV,
     default_env={"DYNSNAP_TEST_BRIDGE": "dsnmut2", "DYNSNAP_TEST_CIDR": "10.219.0.0/16",
                  "DYNSNAP_KEEP_LOGS": "{work}/test-logs"},  # a killed mutant's logs stay out of test-logs/
     timeout=1800,

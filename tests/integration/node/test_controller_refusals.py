@@ -28,21 +28,20 @@ answered 400, while the agent retried (the controller had set Suspended and coun
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from controllerenv import asleep, events_for, gate_of, get_ws, history, policy, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, deployed, installed
+from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.testenv import chart_node, stub_operator
-from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import Graph, NodePod
 
 pytestmark = pytest.mark.cluster
@@ -69,20 +68,14 @@ def no_pid_reservation(main: Obj) -> None:
 CASES: dict[str, Callable[[Obj], None]] = {"SeccompOff": no_seccomp, "PidReservationMissing": no_pid_reservation}
 
 
-@pytest.fixture(scope="module")
-async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
-    async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-refusals"))) as e:
-        yield e
-
 
 def graph(env: Env, name: str, spoil: Callable[[Obj], None]) -> Obj:
     """examples/dgd/agg.yaml as the case's graph: the graph's policy, the component's own (on its pod
     template), and the worker's command or container spoiled by ``spoil``."""
     body = chart_node.example_body(env, name=name, policy=policy(
         enabled=True, idle_after=f"{IDLE_AFTER}s", tier="snapshot", wake_at_inflight=1))
-    worker = next(c for c in body["spec"]["components"] if stub_operator.component_type(c) == "worker")
-    worker["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(
-        policy(min_active=1, verify_requests=2))
+    component_policy(body, WORKER_COMPONENT, policy(min_active=1, verify_requests=2))
+    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     spoil(next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main"))
     return body
 

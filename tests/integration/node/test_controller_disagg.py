@@ -10,20 +10,18 @@ both. kubelet's facts after: every worker's container the same one, never restar
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from controllerenv import Load, asleep, events_for, get_ws, policy, verified_after, wait_ws
-from realnodeenv import Env, deployed, installed
+from realnodeenv import Env, component_policy, deployed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node
-from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import Graph, NodePod, kubelet_facts
 
 pytestmark = pytest.mark.cluster
@@ -32,19 +30,12 @@ ROLES = ("prefill", "decode")  # the example's component names, and their types
 EXAMPLE = chart_node.ROOT / "examples" / "dgd" / "disagg.yaml"
 
 
-@pytest.fixture(scope="module")
-async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
-    async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-disagg")), gpus=4) as e:
-        yield e
-
 
 def graph(env: Env, tier: str) -> Obj:
     body = chart_node.example_body(env, example=EXAMPLE, name=f"ctl-disagg-{tier}", speedup_ratio=1, policy=policy(
         enabled=True, idle_after="3s", tier=tier, wake_at_inflight=1))
-    for comp in body["spec"]["components"]:
-        if comp["name"] in ROLES:  # each component its own limit
-            comp["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(
-                policy(min_active=1, verify_requests=3))
+    for role in ROLES:  # each component its own limit
+        component_policy(body, role, policy(min_active=1, verify_requests=3))
     return body
 
 

@@ -1,6 +1,6 @@
 """A wake that never reaches Active is a failed wake (issue 18), and the planner makes up for it.
 On the real node (kubelet, containerd, runc; dynsnap installed by ``helm install`` with
-``controller.wakeTimeout`` 25 s: realnodeenv.py), each case its own graph of examples/dgd/agg.yaml.
+``controller.wakeTimeout`` 30 s: realnodeenv.SHARED_VALUES), each case its own graph of examples/dgd/agg.yaml.
 
 Three workers of one component (tier snapshot, min-active 1): idleness puts two to sleep, their
 trees dumped by the real CRIU inside their containers. The image of the one captured last (the one a
@@ -16,8 +16,9 @@ to 2, so the controller wakes it:
 Either way: ``Verified=False`` ``WakeFailed`` with the agent's reason in its message, a Warning Event,
 ``status.controller.verification`` failed for that wake with the policy's fallback (``restart``: the
 pod deleted with its UID as precondition; ``none``: left out of serving, its gate False), and the
-other sleeping worker woken in its place, verified. With ``none`` kubelet still runs the damaged
-worker's container, never restarted: only the gate keeps it out of serving. Before issue 18 the
+other sleeping worker woken in its place, verified. With ``none`` (the deleted capture) the agent's
+give-up makes the entrypoint exit and kubelet starts the container cold in the same pod (restartCount
+1), which the gate keeps out of serving. Before issue 18 the
 corrupted worker counted as awake while it kept failing (nothing woken in its place, no verdict), and
 the lost one got no verdict.
 """
@@ -26,12 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from controllerenv import asleep, cond, events_for, gate_of, get_ws, history, policy, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, deployed, installed
+from realnodeenv import SHARED_VALUES, WORKER_COMPONENT, Env, component_policy, deployed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict, NotFound
@@ -39,19 +39,13 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node
-from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import Graph, NodePod, kubelet_facts
 
 pytestmark = pytest.mark.cluster
 
-WAKE_TIMEOUT = 25  # seconds from the wake request to Active and verified (the chart's controller.wakeTimeout)
+WAKE_TIMEOUT = SHARED_VALUES["controller"]["wakeTimeout"]  # seconds from the wake request to Active, verified
 
-
-@pytest.fixture(scope="module")
-async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
-    async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-wake-deadline")), gpus=3,
-                         values={"controller": {"wakeTimeout": WAKE_TIMEOUT}}) as e:
-        yield e
 
 
 def graph(env: Env, name: str, on_failed_wake: str) -> Obj:
@@ -59,10 +53,8 @@ def graph(env: Env, name: str, on_failed_wake: str) -> Obj:
     template)."""
     body = chart_node.example_body(env, name=name, worker_replicas=3, policy=policy(
         enabled=True, idle_after="2s", tier="snapshot", wake_at_inflight=1))
-    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
-    worker["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(
-        policy(min_active=1, verify_requests=2, on_failed_wake=on_failed_wake))
-    return body
+    return component_policy(body, WORKER_COMPONENT, policy(min_active=1, verify_requests=2,
+                                                           on_failed_wake=on_failed_wake))
 
 
 def capture_dir(env: Env, pod: NodePod) -> Path:
@@ -170,6 +162,13 @@ async def test_a_wake_that_never_reaches_active_fails_and_another_worker_is_woke
             assert v["fallback"] == "none"
             assert live is not None and live["metadata"]["uid"] == failing.uid, "left in place to be looked at"
             assert gate_of(live) == "False", "out of serving"
+            # Its tree gone, the agent's give-up makes the entrypoint exit, and kubelet starts the container
+            # cold in the same pod (wake_steps.give_up): a new container, restartCount 1, still out of serving.
+            async def restarted_cold() -> bool:
+                now = await kubelet_facts(env.api, failing)
+                return now.restart_count == 1 and now.running and now.container_id != first[failing.name].container_id
+            await wait_for(f"{failing.name}: its container started cold by kubelet", restarted_cold, timeout=120,
+                           interval=0.5)
             now = await kubelet_facts(env.api, failing)
-            assert (now.container_id, now.restart_count, now.running, now.ready) == (
-                first[failing.name].container_id, 0, True, False), now
+            live = await env.api.get(R.PODS, failing.name, namespace=failing.namespace)
+            assert now.uid == failing.uid and gate_of(live) == "False" and not now.ready, (now, live["status"])

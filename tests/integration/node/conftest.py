@@ -1,0 +1,31 @@
+"""The suites that run on the real node with dynsnap installed by ``helm install``, sharing one
+node and one install (realnodeenv.installed): started for the package's first test, torn down after
+its last (which must leave nothing behind), so each module pays for its own graphs only. Each test
+deploys its graph with realnodeenv.deployed and deletes it after.
+
+The chart values are the tests' (chart_node.chart_values) and realnodeenv.SHARED_VALUES, which the
+tests read where they depend on them (the controller's wake timeout).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # controllerenv, realnodeenv, ...
+
+from realnodeenv import SHARED_VALUES, Env, installed
+
+from dynsnap.testenv.cluster import LocalCluster
+
+GPUS = 4  # the most workers one test runs at once (the disaggregated graph: 2 prefill, 2 decode)
+
+
+@pytest.fixture(scope="package")
+async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-suites")), gpus=GPUS,
+                         values=SHARED_VALUES) as e:
+        yield e
