@@ -104,9 +104,10 @@ class Engine:
     gib: float = 0.25
     kv_gib: float = 0.25
 
-    def args(self) -> list[str]:
+    def args(self, mode: str | None = None) -> list[str]:
+        """Its command, in ``mode`` (``prefill``/``decode``; None: aggregated)."""
         return ["python3", "-m", "dynsnap.testenv.stub_engine", "--model-path", MODEL_DIR, "--model-name",
-                MODEL_NAME, "--gib", f"{self.gib:g}", "--kv-gib", f"{self.kv_gib:g}"]
+                MODEL_NAME, "--mode", mode or "agg", "--gib", f"{self.gib:g}", "--kv-gib", f"{self.kv_gib:g}"]
 
     def wire(self, spec: Obj, main: Obj, driver: StubDriver) -> None:
         spec.setdefault("volumes", []).append(
@@ -151,7 +152,7 @@ def local_overlay(dgd: Obj, *, dynamo_image: str, entrypoint_image: str, driver:
             raise ValueError(f"component {comp['name']}: its command does not end in the entrypoint's --")
         ctype = stub_operator.component_type(comp)
         mode = ctype if ctype in ("prefill", "decode") else None
-        main["args"] = mocker_args(speedup_ratio=speedup_ratio, mode=mode) if engine is None else engine.args()
+        main["args"] = mocker_args(speedup_ratio=speedup_ratio, mode=mode) if engine is None else engine.args(mode)
         main.setdefault("resources", {}).setdefault("limits", {})["memory"] = memory_limit
         if worker_replicas is not None:
             comp["replicas"] = worker_replicas

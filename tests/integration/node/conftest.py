@@ -1,6 +1,8 @@
 """The suites that run on the real node with dynsnap installed by ``helm install``, sharing one
 node and one install (realnodeenv.installed): started for the package's first test, torn down after
-its last (which must leave nothing behind), so each module pays for its own graphs only. Each test
+its last (which must leave nothing behind), so each module pays for its own graphs only. The
+directory is a package (``__init__.py``) for that: without one pytest keeps a package-scoped fixture
+for the whole session, and the chart's controller would go on acting on the sandbox tests' pods. Each test
 deploys its graph with realnodeenv.deployed and deletes it after.
 
 The chart values are the tests' (chart_node.chart_values) and realnodeenv.SHARED_VALUES, which the
