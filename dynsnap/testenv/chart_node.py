@@ -204,6 +204,9 @@ async def deploy_example(env: Env, body: Obj, *, timeout: float = 240) -> real_g
     """Deploy ``body`` on the node; returns once every pod of it is Ready (the controller sets each
     new worker's serving gate, then the probes make them Ready) and its frontend lists the model;
     the graph and its frontend's client are ``env.graph`` and ``env.fe``."""
+    # The stand-in driver's state of earlier graphs' deleted pods goes first (the real driver's went
+    # with their processes): a new pod whose pid namespace reuses an inode must not inherit it.
+    env.driver.forget_dead_namespaces()
     graph = await real_graph.deploy(env.api, body, node=env.node.name)
     env.graphs.append(graph)
     env.graph = graph

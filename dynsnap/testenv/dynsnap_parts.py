@@ -28,6 +28,7 @@ from dynsnap.k8s.errors import Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.crd import workersnapshot_crd
+from dynsnap.runtime import procfs
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import LocalCluster, RunningPod
 from dynsnap.testenv.process import Supervised
@@ -157,6 +158,20 @@ class StubDriver:
             kept = [line for line in lines if int(line.split()[0]) >> NSKEY_SHIFT != inode]
             f.write_text("".join(f"{line}\n" for line in kept))
             return len(lines) - len(kept)
+
+    def forget_dead_namespaces(self) -> list[int]:
+        """:meth:`forget_pid_namespace` for every pid namespace the state or the allocations name that
+        no process is in any more (its pod is gone); returns them, sorted. chart_node.deploy_example
+        calls it before a graph's pods exist, so no pod inherits a deleted pod's state."""
+        named = {k >> NSKEY_SHIFT for k in self.states()}
+        alloc = self.state_dir / "alloc"
+        if alloc.exists():
+            named |= {int(line.split()[0]) >> NSKEY_SHIFT for line in alloc.read_text().splitlines() if line.strip()}
+        live = {procfs.pid_ns(pid) for pid in procfs.pids()}
+        dead = sorted(named - live)
+        for inode in dead:
+            self.forget_pid_namespace(inode)
+        return dead
 
     def _forget_allocations(self, inode: int) -> None:
         """Under the lock: the namespace's allocations leave the alloc file, and what was on a device
