@@ -261,15 +261,20 @@ async def _run(workdir: Path, timeline_out: Path) -> int:
         workers = graph.workers(WORKER_COMPONENT)
         watch = S.KubeletWatch(api, {p.name: p.namespace for p in workers})
         await watch.look()
-        tasks = [asyncio.create_task(narrator.run(stop_watching)), asyncio.create_task(watch.run(stop_watching))]
+        # kubelet's account of scenes 1 and 2 (after them, idle again, the workers may well sleep again)
+        stop_kubelet = asyncio.Event()
+        kubelet_task = asyncio.create_task(watch.run(stop_kubelet))
+        tasks = [asyncio.create_task(narrator.run(stop_watching)), kubelet_task]
         before = {p.name: await api.get(R.PODS, p.name, namespace=p.namespace) for p in workers}
         sleeping, proofs, loads = await _capture_then_load(env, tl, narrator)
         await _check_wakes(api, tl, before, sleeping, proofs, loads)
+        stop_kubelet.set()
+        await kubelet_task
+        await watch.look()
+        _check_kubelet(tl, watch, set(sleeping))
         wor_watch = await _wake_on_request(env, tl, narrator)
         stop_watching.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await watch.look()
-        _check_kubelet(tl, watch, set(sleeping))
         _check_kubelet(tl, wor_watch, set(), why_ready=", asleep routable too (kept in serving)")
         _report(narrator, timeline_out, tl)
     except Exception as e:  # said as a failed check, then everything torn down

@@ -162,16 +162,19 @@ class KubeletWatch:
 
     def through_gate(self, name: str) -> bool:
         """Every time ``name`` was seen not Ready after it first was, its serving gate was False then or
-        just before, the gate True again before it was Ready again: out of serving only by the gate."""
+        just before (out of serving only by the gate), and it was seen Ready again after being not Ready
+        at least once (back in serving)."""
         seen = self.states[name]
         first = next((i for i, (_, ready) in enumerate(seen) if ready), None)
-        if first is None or not seen[-1][1]:
+        if first is None:
             return False
+        back = False
         for i in range(first + 1, len(seen)):
             gate, ready = seen[i]
             if not ready and gate != "False" and seen[i - 1][0] != "False":
                 return False
-        return True
+            back = back or (ready and not seen[i - 1][1])
+        return back
 
     async def run(self, stop: asyncio.Event) -> None:
         n = 0

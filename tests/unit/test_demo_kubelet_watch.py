@@ -1,8 +1,8 @@
 """What `dynsnap demo` takes as kubelet's word that a sleeper left serving only through its gate
 (dynsnap/demo_story.py ``KubeletWatch.through_gate``): over the (serving gate, Ready) states kubelet
 reported, repeats dropped, the pod not Ready after it first was only while its gate was False or
-just after (the probe's lag on the way back), and Ready at the end. A probe failing while the gate
-was True, a pod never Ready, or one left not Ready, is not."""
+just after (the probe's lag on the way back), and Ready again after it was not. A probe failing while
+the gate was True, a pod never Ready, or one never back, is not."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ def _watch(states: list[tuple[str, bool]]) -> KubeletWatch:
     ([("False", True), ("False", False), ("True", True)], True),  # first look after the gate went False
     ([("True", True), ("True", False), ("False", False), ("True", True)], False),  # a probe before the gate
     ([("True", True), ("False", False), ("True", True), ("True", False), ("True", True)], False),  # later
-    ([("True", True), ("False", False)], False),  # not Ready at the end
+    ([("True", True), ("False", False)], False),  # never back
+    ([("True", True), ("False", False), ("True", True), ("False", False)], True),  # back, then asleep again
     ([("False", False), ("True", False)], False),  # never Ready
-    ([("True", True)], True),  # never left: through_gate holds; the demo asks for a not-Ready state too
-], ids=["the-way", "fast", "first-look-late", "probe-first", "probe-later", "left-out", "never-ready", "awake"])
+    ([("True", True)], False),  # never left, so never back
+], ids=["the-way", "fast", "first-look-late", "probe-first", "probe-later", "left-out", "again", "never-ready",
+        "awake"])
 def test_out_of_serving_only_through_the_gate(states: list[tuple[str, bool]], held: bool) -> None:
     assert _watch(states).through_gate("w-0") is held
