@@ -158,14 +158,16 @@ def _check_kubelet(tl: S.Timeline, watch: S.KubeletWatch, slept: set[str], *, wh
     """The kubelet's facts: one container, never restarted; out of serving only through the gate (the
     workers in ``slept``), or Ready all along (the others; ``why_ready`` says why where they slept)."""
     for name in sorted(watch.pods):
-        seen = watch.containers[name]
-        (cid, restarts), = seen if len(seen) == 1 else (("", -1),)
-        tl.check(len(seen) == 1 and restarts == 0,
-                 f"{name}: kubelet reports one container {cid[:25]}... restartCount {restarts} "
-                 f"in {watch.looks} looks" if len(seen) == 1 else f"{name}: kubelet reported containers {sorted(seen)}")
+        seen = sorted(watch.containers[name])
+        if len(seen) == 1:
+            cid, restarts = seen[0]
+            tl.check(restarts == 0, f"{name}: kubelet reports one container {cid[:25]}... restartCount {restarts} "
+                     f"in {watch.looks} looks")
+        else:
+            tl.check(False, f"{name}: kubelet reported containers {seen}")
         states = " -> ".join(f"gate {g}/Ready {r}" for g, r in watch.states[name])
-        if name in slept:
-            tl.check(watch.through_gate(name) and any(not r for _, r in watch.states[name]),
+        if name in slept:  # through_gate: back in serving after a not-Ready state, only ever out by the gate
+            tl.check(watch.through_gate(name),
                      f"{name}: Ready False and True again only through the serving gate ({states})")
         else:
             tl.check(all(r for _, r in watch.states[name][1:]), f"{name}: Ready all along{why_ready} ({states})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,18 @@ def proof_of_wake(ws: Obj) -> dict[str, Any] | None:
     if recall and datetime.fromisoformat(v["started"]) >= datetime.fromisoformat(wake["finished"]):
         return dict(v)
     return None
+
+
+async def _every(interval: float, look: Callable[[], Awaitable[None]], stop: asyncio.Event) -> None:
+    """``look`` every ``interval`` seconds until ``stop`` (bounded by count; a failed look is skipped:
+    the next one reads again)."""
+    n = 0
+    while not stop.is_set() and n < 100_000:
+        n += 1
+        with contextlib.suppress(Exception):
+            await look()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
 
 
 class Narrator:
@@ -126,13 +139,7 @@ class Narrator:
                          f"{v.get('answered')}/{v.get('requests')} pinned answers; {steps(v)}")
 
     async def run(self, stop: asyncio.Event) -> None:
-        n = 0
-        while not stop.is_set() and n < 100_000:
-            n += 1
-            with contextlib.suppress(Exception):
-                await self.poll()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.25)
+        await _every(0.25, self.poll, stop)
 
 
 class KubeletWatch:
@@ -177,13 +184,7 @@ class KubeletWatch:
         return back
 
     async def run(self, stop: asyncio.Event) -> None:
-        n = 0
-        while not stop.is_set() and n < 100_000:
-            n += 1
-            with contextlib.suppress(Exception):
-                await self.look()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+        await _every(0.5, self.look, stop)
 
 
 class LoadGen:

@@ -10,16 +10,18 @@ Not collected by pytest (no ``test_`` prefix).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import Conflict
+from dynsnap.models import resources as R
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env, upgrade
 from dynsnap.testenv.cluster import LocalCluster
 
 __all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "component_policy", "deployed",
-           "installed", "running", "upgrade"]
+           "edit_dgd", "installed", "running", "upgrade"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -68,3 +70,18 @@ def component_policy(body: Obj, component: str, annotations: dict[str, str]) -> 
     comp = next(c for c in body["spec"]["components"] if c["name"] == component)
     comp["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
     return body
+
+
+async def edit_dgd(env: Env, graph: real_graph.Graph, change: Callable[[Obj], None]) -> None:
+    """What a user's ``kubectl edit`` of the graph's DGD does: read it, ``change`` it, write it back
+    (read again on a conflict, at most 10 times)."""
+    name, ns = graph.dgd["metadata"]["name"], graph.dgd["metadata"]["namespace"]
+    for _ in range(10):
+        obj = await env.api.get(R.DGDS, name, namespace=ns)
+        change(obj)
+        try:
+            await env.api.replace(R.DGDS, obj)
+            return
+        except Conflict:
+            continue
+    raise AssertionError("10 conflicting DGD writes in a row")

@@ -33,10 +33,9 @@ from typing import Any
 
 import pytest
 from controllerenv import asleep, events_for, gate_of, get_ws, history, policy, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed
+from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, edit_dgd
 
 from dynsnap.k8s.client import Obj
-from dynsnap.k8s.errors import Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
@@ -112,16 +111,9 @@ async def assert_serving(env: Env, pod: NodePod) -> None:
 
 async def set_tier(env: Env, g: Graph, tier: str) -> None:
     """What a user's `kubectl edit` of the DGD does: the graph's dynsnap.io/tier changed."""
-    name, ns = g.dgd["metadata"]["name"], g.dgd["metadata"]["namespace"]
-    for _ in range(10):
-        obj = await env.api.get(R.DGDS, name, namespace=ns)
+    def change(obj: Obj) -> None:
         obj["metadata"].setdefault("annotations", {})[P.ANN_TIER] = tier
-        try:
-            await env.api.replace(R.DGDS, obj)
-            return
-        except Conflict:
-            continue
-    raise AssertionError("10 conflicting DGD writes in a row")
+    await edit_dgd(env, g, change)
 
 
 @pytest.mark.parametrize("reason", list(CASES))

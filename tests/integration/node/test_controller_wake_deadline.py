@@ -31,10 +31,10 @@ from pathlib import Path
 
 import pytest
 from controllerenv import asleep, cond, events_for, gate_of, get_ws, history, policy, wait_ws
-from realnodeenv import SHARED_VALUES, WORKER_COMPONENT, Env, component_policy, deployed
+from realnodeenv import SHARED_VALUES, WORKER_COMPONENT, Env, component_policy, deployed, edit_dgd
 
 from dynsnap.k8s.client import Obj
-from dynsnap.k8s.errors import Conflict, NotFound
+from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
@@ -77,17 +77,7 @@ def damage(env: Env, pod: NodePod, how: str) -> None:
 
 async def set_min_active(env: Env, g: Graph, n: int) -> None:
     """What a user's `kubectl edit` of the DGD does: the worker component's min-active changed."""
-    name, ns = g.dgd["metadata"]["name"], g.dgd["metadata"]["namespace"]
-    for _ in range(10):
-        obj = await env.api.get(R.DGDS, name, namespace=ns)
-        comp = next(c for c in obj["spec"]["components"] if c["name"] == WORKER_COMPONENT)
-        comp["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {})[P.ANN_MIN_ACTIVE] = str(n)
-        try:
-            await env.api.replace(R.DGDS, obj)
-            return
-        except Conflict:
-            continue
-    raise AssertionError("10 conflicting DGD writes in a row")
+    await edit_dgd(env, g, lambda obj: component_policy(obj, WORKER_COMPONENT, {P.ANN_MIN_ACTIVE: str(n)}))
 
 
 def wake_failed(ws: Obj | None) -> bool:
