@@ -156,6 +156,22 @@ class Env:
         return "\n".join(out)
 
 
+def keep_pod_logs(env: Env) -> None:
+    """With ``DYNSNAP_KEEP_LOGS`` set, the node's pod logs as kubelet keeps them, copied there (beside the
+    sandboxes'), before pods are deleted: kubelet removes a deleted pod's logs."""
+    if keep := os.environ.get("DYNSNAP_KEEP_LOGS"):
+        with contextlib.suppress(OSError):
+            shutil.copytree(env.node.layout.pod_logs, Path(keep) / "real-node-pods", dirs_exist_ok=True)
+
+
+async def graph_logs(env: Env, graph: real_graph.Graph, *, tail: int = 60) -> str:
+    """The last ``tail`` lines of each of ``graph``'s pods' main container (``kubectl logs``), then the
+    chart's controller and agent (:meth:`Env.dump_logs`)."""
+    out = [f"--- {p.name} ---\n" + await env.pod_log(p.namespace, p.name, "main", tail=tail)
+           for ps in graph.pods.values() for p in ps]
+    return "\n".join([*out, await env.dump_logs()])
+
+
 async def upgrade(env: Env, values: Obj) -> None:
     """``helm upgrade`` of the installed release to ``values`` (the user's next chart values)."""
     await _install(env, values, upgrade=True)
@@ -279,9 +295,7 @@ async def stop(env: Env) -> list[str]:
     problems: list[str] = []
     if env.fe is not None:
         await env.fe.close()
-    if keep := os.environ.get("DYNSNAP_KEEP_LOGS"):  # the pods' logs, as kubelet keeps them, beside the sandboxes'
-        with contextlib.suppress(OSError):
-            shutil.copytree(env.node.layout.pod_logs, Path(keep) / "real-node-pods", dirs_exist_ok=True)
+    keep_pod_logs(env)
     for graph in reversed(env.graphs):
         with contextlib.suppress(Exception):
             await real_graph.teardown(env.api, graph)

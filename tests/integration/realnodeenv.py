@@ -9,19 +9,23 @@ Not collected by pytest (no ``test_`` prefix).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict
+from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env, upgrade
 from dynsnap.testenv.cluster import LocalCluster
 
-__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "component_policy", "deployed",
-           "edit_dgd", "installed", "running", "upgrade"]
+__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "component_policy",
+           "deployed", "edit_dgd", "installed", "running", "upgrade"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -55,13 +59,59 @@ async def running(cluster: LocalCluster, work_root: Path, *, tier: str) -> Async
 
 @contextlib.asynccontextmanager
 async def deployed(env: Env, body: Obj) -> AsyncIterator[real_graph.Graph]:
-    """One test's graph: deployed Ready (chart_node.deploy_example), deleted with its pods after."""
+    """One test's graph: deployed Ready (chart_node.deploy_example), deleted with its pods after; if the
+    test fails, its pods' logs are printed first (kubelet deletes them with the pods)."""
     graph = await chart_node.deploy_example(env, body)
     try:
         yield graph
+    except BaseException:
+        print(await chart_node.graph_logs(env, graph))
+        raise
     finally:
+        chart_node.keep_pod_logs(env)
         await real_graph.teardown(env.api, graph)
         env.graphs.remove(graph)
+
+
+@dataclass
+class ServingLooks:
+    """kubelet's and the EndpointSlice controller's account of ``pods`` every 0.25 s while a test runs
+    (at most 10 minutes): per look, each pod's ``dynsnap.io/serving`` gate, its Ready condition and its
+    EndpointSlice endpoint's ``ready``, so a failed request can be set beside what was serving then."""
+
+    env: Env
+    pods: list[real_graph.NodePod]
+    looks: list[tuple[float, dict[str, tuple[str, str, bool | None]]]] = field(default_factory=list)
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        ns = self.pods[0].namespace
+        for _ in range(2400):
+            with contextlib.suppress(Exception):
+                slices = (await self.env.api.list(R.ENDPOINT_SLICES, namespace=ns))["items"]
+                ep = {(e.get("targetRef") or {}).get("name"): bool((e.get("conditions") or {}).get("ready"))
+                      for s in slices for e in s.get("endpoints") or []}
+                look: dict[str, tuple[str, str, bool | None]] = {}
+                for p in self.pods:
+                    conds = {c["type"]: c["status"] for c in
+                             (await self.env.api.get(R.PODS, p.name, namespace=ns))["status"].get("conditions") or []}
+                    look[p.name] = (conds.get(P.CONDITION_SERVING, "-"), conds.get("Ready", "-"), ep.get(p.name))
+                self.looks.append((time.time(), look))
+            await asyncio.sleep(0.25)
+
+    def around(self, t: float, lag: float = 3.0) -> str:
+        """The looks within ``lag`` seconds of ``t``, one line each: name=gate/Ready/endpoint-ready."""
+        return "\n".join(f"{at - t:+6.2f}s " + " ".join(f"{n}={g}/{r}/{e}" for n, (g, r, e) in look.items())
+                         for at, look in self.looks if abs(at - t) <= lag)
 
 
 def component_policy(body: Obj, component: str, annotations: dict[str, str]) -> Obj:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from controllerenv import Load, asleep, events_for, get_ws, policy, verified_after, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed
+from realnodeenv import WORKER_COMPONENT, Env, ServingLooks, component_policy, deployed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -40,6 +40,8 @@ async def test_idle_workers_sleep_to_min_active_and_load_wakes_them_verified(env
         workers = g.workers(WORKER_COMPONENT)
         uids = {p.name: p.uid for p in workers}
         first = {p.name: await kubelet_facts(env.api, p) for p in workers}
+        looks = ServingLooks(env, workers)  # what kubelet and the EndpointSlices said, beside any failure
+        looks.start()
         trickle = Load(env.fe, concurrency=1, pause=2.5, max_tokens=2)
         trickle.start()
         try:
@@ -88,8 +90,9 @@ async def test_idle_workers_sleep_to_min_active_and_load_wakes_them_verified(env
             assert {r.worker_id for r in after} == ids  # round robin over all three again
         finally:
             await trickle.stop()
+            await looks.stop()
         failures = trickle.failures() + burst.failures()
-        assert not failures, failures[:5]
+        assert not failures, "\n".join(f"{f}\n{looks.around(f[0])}" for f in failures[:5])
         assert len(trickle.results) >= 2 and len(burst.results) >= 6  # both loads really ran
         reasons = {e["reason"] for p in sleeping for e in await events_for(env.api, p.namespace, p.name)}
         assert {"Quiescing", "CaptureRequested", "WakeRequested", "Verified"} <= reasons, reasons
