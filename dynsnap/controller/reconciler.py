@@ -12,11 +12,19 @@ call off a quiesce, verify the return: ``verify.py``) or asleep (``quiesce.py``)
 so a restarted controller carries on where the last one stopped. Telemetry is emitted from the
 record when an operation ends (``observe.py``).
 
+Reconciles run concurrently (``--workers``), and each plans the whole component from the stores, so
+a serving worker's plan and its first step out of serving (the quiesce's record, read back into the
+store as written) are one turn per component: the next serving worker's plan sees that one already
+quiescing. Two plans made side by side while the agent's activity facts moved between them could
+otherwise each keep a different worker and, between them, put every one out of serving, below
+``min-active`` (the frontend then drops the model and answers 404).
+
 Layer: ``dynsnap.controller``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +73,8 @@ class Reconciler:
     demand: dict[str, Demand | None] = field(default_factory=dict)  # "ns/dgd" -> frontend demand
     # "ns/name" -> (resourceVersion, parsed): each WorkerSnapshot parsed once per version for planning
     _parsed: dict[str, tuple[str, WorkerSnapshot | None]] = field(default_factory=dict)
+    # "ns/dgd/component" -> the turn its serving workers take to plan and leave serving (module doc)
+    _turns: dict[str, asyncio.Lock] = field(default_factory=dict)
     ctx: Ctx = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,7 +115,15 @@ class Reconciler:
         return _soonest(await self._decided(s, policy), s.again)
 
     async def _decided(self, s: Scope, policy: Policy) -> float | None:
-        """The planner's word for the worker, and the step toward it."""
+        """The planner's word for the worker, and the step toward it; a serving worker's in its
+        component's turn (module doc)."""
+        if s.phase != Phase.SERVING:
+            return await self._step(s, policy)
+        turn = self._turns.setdefault(f"{s.dgd_key}/{s.component}", asyncio.Lock())
+        async with turn:
+            return await self._step(s, policy)
+
+    async def _step(self, s: Scope, policy: Policy) -> float | None:
         decision = await self.decide(s, policy)
         phase = s.phase
         log.debug("%s: phase %s, %s (%s)", s.key, phase, decision.want, decision.why)
@@ -150,6 +168,8 @@ class Reconciler:
         self.ctx.models.drop(key)
         self.demand.pop(key, None)
         self.ctx.forget(f"policy/{key}/")
+        for turn in [t for t in self._turns if t.startswith(f"{key}/")]:
+            del self._turns[turn]
 
     # -- planning ---------------------------------------------------------------------------------
 

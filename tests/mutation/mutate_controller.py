@@ -47,6 +47,7 @@ PLAN_UNIT = "tests/unit/test_controller_plan.py::"
 REQUEUE_UNIT = "tests/unit/test_controller_requeue.py::test_a_demand_change_requeues_only_the_workers_it_can_move"
 WAKE_UNIT = "tests/unit/test_controller_wake_request.py::test_a_stale_reconcile_asks_again_as_the_same_wake"
 VIEW_UNIT = "tests/unit/test_controller_view.py"
+TURN_UNIT = "tests/unit/test_controller_min_active_turn.py"
 STORE_UNIT = "tests/unit/test_k8s_store.py::test_an_earlier_version_does_not_replace_a_later_one"
 FRONTEND_UNIT = "tests/unit/test_frontend_parse.py::"
 PINNED_UNIT = FRONTEND_UNIT + "test_a_pinned_answer_is_this_workers_only_when_it_names_every_pinned_id"
@@ -320,6 +321,12 @@ MUTATIONS = (
         "    if ws.spec.desired_state != DesiredState.SUSPENDED or w is None or w.trigger != \"request\" or \\\n",
         "    if True or w is None or w.trigger != \"request\" or \\\n",
         tests=[WOR_TWO]),
+    mutation(
+        "no-component-turn", "serving workers of one component plan and leave serving side by side: plans made "
+        "while the first quiesce's record is on its way put every worker out of serving", RECONCILER,
+        "        async with turn:\n            return await self._step(s, policy)\n",
+        "        return await self._step(s, policy)\n",
+        tests=[TURN_UNIT], modules=["dynsnap.controller.reconciler"]),
 )
 
 SUITE = Suite(
