@@ -241,7 +241,11 @@ def phase_of(pod: Obj, ws: WorkerSnapshot | None, ep_ready: bool | None) -> Phas
     rec = st.controller
     if rec is not None and rec.quiesce is not None and rec.quiesce.finished is None:
         return Phase.QUIESCING
-    if st.state in (P.ObservedState.WAKING, P.ObservedState.SUSPENDED, P.ObservedState.CAPTURING):
+    # The agent's wake still open is a wake under way, whatever state the worker shows meanwhile (a wake
+    # on request shows Active once resumed, a step before the agent records it done): nothing is proven
+    # of a wake the agent may still fail.
+    if st.state in (P.ObservedState.WAKING, P.ObservedState.SUSPENDED, P.ObservedState.CAPTURING) or \
+            (st.last_wake is not None and st.last_wake.finished is None):
         return Phase.WAKING
     if st.state != P.ObservedState.ACTIVE:
         return Phase.NEW

@@ -48,6 +48,7 @@ REQUEUE_UNIT = "tests/unit/test_controller_requeue.py::test_a_demand_change_requ
 WAKE_UNIT = "tests/unit/test_controller_wake_request.py::test_a_stale_reconcile_asks_again_as_the_same_wake"
 VIEW_UNIT = "tests/unit/test_controller_view.py"
 TURN_UNIT = "tests/unit/test_controller_min_active_turn.py"
+FLEET_UNIT = "tests/unit/test_controller_fleet.py::test_phase"
 STORE_UNIT = "tests/unit/test_k8s_store.py::test_an_earlier_version_does_not_replace_a_later_one"
 FRONTEND_UNIT = "tests/unit/test_frontend_parse.py::"
 PINNED_UNIT = FRONTEND_UNIT + "test_a_pinned_answer_is_this_workers_only_when_it_names_every_pinned_id"
@@ -327,6 +328,12 @@ MUTATIONS = (
         "        async with turn:\n            return await self._step(s, policy)\n",
         "        return await self._step(s, policy)\n",
         tests=[TURN_UNIT], modules=["dynsnap.controller.reconciler"]),
+    mutation(
+        "open-wake-verified", "a worker showing Active while the agent's wake is still open counts as back: "
+        "verified before the agent has finished (or failed) its wake", FLEET,
+        "            (st.last_wake is not None and st.last_wake.finished is None):\n",
+        "            False:\n",
+        tests=[FLEET_UNIT], modules=["dynsnap.controller.fleet"]),
 )
 
 SUITE = Suite(

@@ -81,7 +81,8 @@ def test_endpoint_and_dwm_belong_to_this_pod_only() -> None:
 
 
 def ws(*, desired: str = "Active", state: str | None = "Active", suspended: str | None = None,
-       accepted: str = "True", uid: str = UID, controller: dict[str, Any] | None = None) -> WorkerSnapshot:
+       accepted: str = "True", uid: str = UID, controller: dict[str, Any] | None = None,
+       last_wake: dict[str, Any] | None = None) -> WorkerSnapshot:
     conds = [{"type": "Accepted", "status": accepted, "reason": "Accepted", "lastTransitionTime": T0.isoformat()}]
     if suspended:
         conds.append({"type": "Suspended", "status": suspended, "reason": "Suspended",
@@ -91,6 +92,8 @@ def ws(*, desired: str = "Active", state: str | None = "Active", suspended: str 
         status["state"] = state
     if controller:
         status["controller"] = controller
+    if last_wake:
+        status["lastWake"] = last_wake
     return WorkerSnapshot.model_validate({
         "metadata": {"name": "g-w-0", "namespace": "ns"},
         "spec": {"podName": "g-w-0", "podUID": uid, "tier": "suspend", "desiredState": desired}, "status": status})
@@ -116,6 +119,16 @@ CASES = [
     ("asleep", pod(gate="False", ready=False), ws(desired="Suspended", state="Suspended", suspended="True"), False,
      Phase.ASLEEP),
     ("waking", pod(gate="False", ready=False), ws(state="Waking"), False, Phase.WAKING),
+    # a wake on request: resumed (Active, in serving all along), its last step not yet on record
+    ("the agent's wake still open", pod(), ws(controller={"quiesce": q(T0, T0 + timedelta(seconds=1))},
+                                              last_wake={"id": "w1", "tier": "suspend", "trigger": "request",
+                                                         "started": (T0 + timedelta(seconds=2)).isoformat()}),
+     True, Phase.WAKING),
+    ("the agent's wake done", pod(), ws(controller={"quiesce": q(T0, T0 + timedelta(seconds=1))},
+                                        last_wake={"id": "w1", "tier": "suspend", "trigger": "request", "ok": True,
+                                                   "started": (T0 + timedelta(seconds=2)).isoformat(),
+                                                   "finished": (T0 + timedelta(seconds=3)).isoformat()}),
+     True, Phase.STARTING),
     ("awake again, not yet proven", pod(), ws(controller={"quiesce": q(T0, T0 + timedelta(seconds=1))}), True,
      Phase.STARTING),
     ("proven", pod(), ws(controller={"quiesce": q(T0, T0 + timedelta(seconds=1)), "verification": {

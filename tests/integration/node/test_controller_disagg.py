@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from controllerenv import Load, asleep, events_for, get_ws, policy, verified_after, wait_ws
-from realnodeenv import Env, component_policy, deployed
+from realnodeenv import Env, ServingLooks, component_policy, deployed
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -92,6 +92,8 @@ async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_wit
                   for role, p in sleeping.items()}
 
         # Load: demand over one worker's share in each component wakes both sleepers.
+        looks = ServingLooks(env, [p for role in ROLES for p in g.workers(role)])  # beside any failure
+        looks.start()
         burst = Load(env.fe, concurrency=6, max_tokens=60)
         burst.start()
         try:
@@ -99,7 +101,8 @@ async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_wit
                      for role, p in sleeping.items()}
         finally:
             await burst.stop()
-        assert not burst.failures(), burst.failures()[:5]
+            await looks.stop()
+        assert not burst.failures(), "\n".join(f"{f}\n{looks.around(f[0])}" for f in burst.failures()[:5])
         assert len(burst.results) >= 6  # the load really ran
 
         # A prefill worker is pinned with the prefill header alone and named as the answer's prefill.
