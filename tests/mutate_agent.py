@@ -8,7 +8,9 @@ of `./run env`:
 
 The agent runs as its own process in these tests (`python -m dynsnap agent`), which imports the
 mutated module itself: the mutant stays on disk for the whole pytest run (no early restore), so do
-not run this beside other work in the same tree. The cluster gets its own bridge and /16
+not run this beside other work in the same tree. The rows whose tests are in tests/integration/node/
+run the agent from its image on the real node, so every mutant (and the baseline) first builds the
+image set of the mutated tree (tests/mutation/images.py). The cluster gets its own bridge and /16
 (dsnmut1, 10.218.0.0/16) unless DYNSNAP_TEST_BRIDGE / DYNSNAP_TEST_CIDR say otherwise.
 tests/mutation/runner.py says how a run goes and what each outcome means.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.mutation import images
 from tests.mutation.runner import Edit, Suite, main, mutation
 
 EXECUTOR = "dynsnap/agent/executor.py"
@@ -69,7 +72,7 @@ ENGINE = "tests/integration/test_engine_tier.py::"
 ENGINE_NO_ROUTES = ENGINE + "test_a_worker_without_engine_routes_is_refused_and_auto_sleeps_it_with_suspend"
 ENGINE_FAULT = ENGINE + "test_a_route_that_fails_or_hangs_is_named_bounded_and_the_worker_serves"
 PLAN_UNIT = "tests/unit/test_agent_plan.py"
-WOR = "tests/integration/test_wake_on_request.py::"
+WOR = "tests/integration/node/test_wake_on_request.py::"
 WOR_TWO = WOR + "test_two_requests_at_once_wake_one_worker_not_two"
 WOR_FAILED = WOR + "test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_fallback"
 # issue 19: the worker found under either cgroup driver, in the container the runtime reports
@@ -374,6 +377,10 @@ SUITE = Suite(
     name="agent",
     doc="docs/TESTING.md",
     mutations=MUTATIONS,
+    # The rows of tests/integration/node/ run the agent from its image on the real node: every mutant's
+    # image set is built from the mutated tree (tests/mutation/images.py).
+    build=images.BUILD,
+    env=images.ENV,
     default_env={"DYNSNAP_TEST_BRIDGE": "dsnmut1", "DYNSNAP_TEST_CIDR": "10.218.0.0/16",
                  "DYNSNAP_KEEP_LOGS": "{work}/test-logs"},  # a killed mutant's logs stay out of test-logs/
     timeout=1800,

@@ -72,7 +72,7 @@ REFUSAL_HOLDS_UNIT = PHASES_UNIT + "test_a_refusal_holds_until_the_pod_the_spec_
 ROUTING_UNIT = "tests/unit/test_controller_routing.py::"
 WOR_LAST_UNIT = PLAN_UNIT + "test_with_wake_on_request_only_the_last_worker_sleeps_routable"
 WOR_HELD_UNIT = PLAN_UNIT + "test_a_routable_sleeper_is_its_agents_to_wake_and_counts_as_waking"
-WOR_TWO = "tests/integration/test_wake_on_request.py::test_two_requests_at_once_wake_one_worker_not_two"
+WOR_TWO = "tests/integration/node/test_wake_on_request.py::test_two_requests_at_once_wake_one_worker_not_two"
 REFUSED_FOR_GOOD = ("tests/integration/node/test_controller_refusals.py::"
                     "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again")
 WAKE_FAILS = ("tests/integration/node/test_controller_wake_deadline.py::"

@@ -4,16 +4,17 @@ the entrypoint's health answer, its endpoint ready, its DWM kept), so the fronte
 model, and the first request that reaches it waits in it while the agent (watching its in-flight
 gauge at the edge) wakes it; then the controller verifies the wake with pinned requests.
 
-The workers are the stand-in engine (dynsnap/testenv/stub_engine.py, for vLLM) on the stub CUDA
-driver, whose every token is a driver call that blocks while the driver holds the process
-checkpointed and returns after the resume, as the real driver's do (DESIGN.md section 2). The
-controller, the agents and the Dynamo frontend are the real ones.
+On the real node (kubelet, containerd, runc; dynsnap installed by ``helm install``: realnodeenv.py),
+examples/dgd/agg.yaml and disagg.yaml under the local overlay. The workers are the stand-in engine
+(dynsnap/testenv/stub_engine.py, for vLLM; real_graph.Engine) on the stub CUDA driver, whose every
+token is a driver call that blocks while the driver holds the process checkpointed and returns after
+the resume, as the real driver's do (DESIGN.md section 2). The controller and the agent (pods of the
+chart) and the Dynamo frontend are the real ones.
 
 - an aggregated graph: every worker asleep (the last one routable), the model still listed; a request
   after 60 s of full sleep is answered 200 with the text the worker gave before, by the woken worker;
   then nine more cycles (full sleep, one request) with no request failing and every wake verified;
-- a disaggregated graph: prefill and decode, each with its own policy, all asleep, one request wakes
-  the last worker of each and is answered;
+- (a disaggregated graph: tests/integration/test_wake_on_request_disagg.py, still in the sandboxes, says why);
 - faults: the wake on request fails (its helper killed mid-resume): the waiting request gets an error
   within a bound, the wake ``Verified=False``, the fallback; a request that arrives while the last
   worker is being saved waits and is answered; two requests at once wake one worker, not two.
@@ -27,41 +28,32 @@ import signal
 import time
 
 import pytest
-from controllerenv import CtlEnv, asleep, events_for, get_ws, policy, running, verified_after, wait_ws
-from helperprocs import helpers_of
+from controllerenv import asleep, events_for, get_ws, policy, verified_after, wait_ws
+from helperprocs import Helper, helpers_for
+from realnodeenv import WORKER_COMPONENT, Env, deployed
+from realnodefacts import container_procs
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
-from dynsnap.testenv.dynsnap_parts import StubDriver, engine_worker_component
+from dynsnap.runtime import procfs
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.real_graph import Engine, Graph, NodePod, kubelet_facts
 
 pytestmark = pytest.mark.cluster
 
 PROMPT = "the same words every time"
 POLICY = {"enabled": True, "idle_after": "3s", "tier": "suspend", "min_active": 0, "wake_on_request": True,
           "wake_at_inflight": 4}
+ENGINE = Engine(gib=0.25, kv_gib=0.25)
 
 
-def agg(driver: StubDriver) -> Obj:
-    w = engine_worker_component("worker", replicas=2, driver=driver, gib=0.25, kv_gib=0.25)
-    body = D.dgd("wor", [D.frontend_component(), w])
-    body["metadata"]["annotations"] = policy(**POLICY)
-    return body
-
-
-def disagg(driver: StubDriver) -> Obj:
-    comps = []
-    for role in ("prefill", "decode"):
-        c = engine_worker_component(role, replicas=1, driver=driver, mode=role, sub=role, gib=0.25, kv_gib=0.25)
-        c["annotations"] = policy(min_active=0, wake_on_request=True)  # each component its own policy
-        comps.append(c)
-    body = D.dgd("wor-disagg", [D.frontend_component(router_mode="kv"), *comps])
-    body["metadata"]["annotations"] = policy(enabled=True, idle_after="3s", tier="suspend", wake_at_inflight=4)
-    return body
+def agg(env: Env, name: str) -> Obj:
+    """examples/dgd/agg.yaml: a frontend and two engine workers (the example's on-failed-wake: restart)."""
+    return chart_node.example_body(env, name=name, engine=ENGINE, policy=policy(**POLICY))
 
 
 def routable(ws: Obj | None) -> bool:
@@ -70,40 +62,42 @@ def routable(ws: Obj | None) -> bool:
     return asleep(ws) and c is not None and c["reason"] == "Routable" and bool((ws or {})["spec"].get("routable"))
 
 
-async def _all_asleep(env: CtlEnv, component: str, timeout: float = 180) -> RunningPod:
+async def _all_asleep(env: Env, g: Graph, component: str = WORKER_COMPONENT, timeout: float = 180) -> NodePod:
     """Every worker of ``component`` asleep, exactly one routable (the last); that one."""
-    pods = env.graph.workers(component)
+    pods = g.workers(component)
 
-    async def done() -> RunningPod | None:
+    async def done() -> NodePod | None:
         wss = [await get_ws(env.api, p) for p in pods]
         if not all(asleep(ws) for ws in wss):
             return None
         rout = [p for p, ws in zip(pods, wss, strict=True) if routable(ws)]
         assert len(rout) <= 1, "more than one worker of the component sleeps routable"
         return rout[0] if rout else None
-    found: RunningPod = await wait_for(f"every {component} asleep, the last routable", done, timeout=timeout,
+    found: NodePod = await wait_for(f"every {component} asleep, the last routable", done, timeout=timeout,
                                        interval=0.5)
     return found
 
 
-async def _in_serving(env: CtlEnv, pod: RunningPod) -> None:
-    """Asleep and still in serving: pod Ready, gate True, endpoint ready, the model listed."""
+async def _in_serving(env: Env, pod: NodePod) -> None:
+    """Asleep and still in serving: pod Ready (kubelet's word), gate True, endpoint ready, the model listed."""
     live = await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
     conds = {c["type"]: c["status"] for c in live["status"].get("conditions") or []}
     assert conds.get("Ready") == "True" and conds.get(P.CONDITION_SERVING) == "True", conds
     ep = await env.cluster.endpoint_of(pod, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
     assert ep is not None and ep["conditions"]["ready"] is True, ep
+    assert env.fe is not None
     assert await env.fe.model_listed(), "the model left the frontend while its last worker sleeps"
 
 
-async def _iid(env: CtlEnv, pod: RunningPod) -> int:
+async def _iid(env: Env, pod: NodePod) -> int:
     return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
 
 
-async def _reference(env: CtlEnv, component: str) -> str:
+async def _reference(env: Env, g: Graph, component: str = WORKER_COMPONENT) -> str:
     """The text every worker gives for PROMPT while awake (the engine is deterministic, one seed)."""
+    assert env.fe is not None
     texts = set()
-    for p in env.graph.workers(component):
+    for p in g.workers(component):
         wid = await _iid(env, p)
         await env.fe.wait_routable(wid)
         r = await env.fe.chat(PROMPT, worker_id=wid)
@@ -113,9 +107,10 @@ async def _reference(env: CtlEnv, component: str) -> str:
     return texts.pop()
 
 
-async def _wake_by_one_request(env: CtlEnv, pod: RunningPod, reference: str) -> Obj:
+async def _wake_by_one_request(env: Env, pod: NodePod, reference: str) -> Obj:
     """One unpinned request through the frontend while every worker sleeps: answered 200 with the
     reference text by the routable sleeper, which the agent woke; its wake verified by the controller."""
+    assert env.fe is not None
     before = ((await get_ws(env.api, pod)) or {})["status"].get("lastWake", {}).get("id")
     r = await env.fe.chat(PROMPT)
     assert r.status == 200, r.body
@@ -130,12 +125,14 @@ async def _wake_by_one_request(env: CtlEnv, pod: RunningPod, reference: str) -> 
     return ws
 
 
-async def test_the_last_worker_sleeps_routable_and_its_first_request_wakes_it(cluster: LocalCluster) -> None:
-    async with running(cluster, agg) as env:
-        reference = await _reference(env, "worker")
-        last = await _all_asleep(env, "worker")
+async def test_the_last_worker_sleeps_routable_and_its_first_request_wakes_it(env: Env) -> None:
+    async with deployed(env, agg(env, "wor")) as g:
+        assert env.fe is not None
+        reference = await _reference(env, g)
+        first = {p.name: await kubelet_facts(env.api, p) for p in g.workers(WORKER_COMPONENT)}
+        last = await _all_asleep(env, g)
         await _in_serving(env, last)
-        other = next(p for p in env.graph.workers("worker") if p is not last)
+        other = next(p for p in g.workers(WORKER_COMPONENT) if p != last)
         assert not routable(await get_ws(env.api, other)), "the other worker sleeps as every sleeper does"
         # 60 s of full sleep, the model listed all along, then one request.
         for _ in range(12):
@@ -145,50 +142,37 @@ async def test_the_last_worker_sleeps_routable_and_its_first_request_wakes_it(cl
         assert ws["status"]["lastCapture"]["tier"] == "suspend"
         # Nine more cycles: all asleep again (the woken worker is the last awake: routable again), one request.
         for _ in range(9):
-            last = await _all_asleep(env, "worker")
+            last = await _all_asleep(env, g)
             await _in_serving(env, last)
             await _wake_by_one_request(env, last, reference)
+        for p in g.workers(WORKER_COMPONENT):  # kubelet's own account: the same container, never restarted
+            now = await kubelet_facts(env.api, p)
+            assert (now.container_id, now.restart_count, now.running) == (first[p.name].container_id, 0, True), now
 
 
-async def test_a_disaggregated_graph_sleeps_both_roles_routable_and_one_request_wakes_them(
-        cluster: LocalCluster) -> None:
-    async with running(cluster, disagg) as env:
-        pre, dec = env.graph.workers("prefill")[0], env.graph.workers("decode")[0]
-        ids = {p.name: await _iid(env, p) for p in (pre, dec)}
-        await env.fe.wait_routable(ids[dec.name], prefill_id=ids[pre.name])
-        reference = (await env.fe.chat(PROMPT, worker_id=ids[dec.name], prefill_id=ids[pre.name])).text
-        assert reference
-        for role in ("prefill", "decode"):
-            sleeper = await _all_asleep(env, role)
-            await _in_serving(env, sleeper)
-        before = {p.name: ((await get_ws(env.api, p)) or {})["status"].get("lastWake", {}).get("id")
-                  for p in (pre, dec)}
-        r = await env.fe.chat(PROMPT)
-        assert r.status == 200 and r.text == reference, r.body
-        assert (r.worker_id, r.prefill_worker_id) == (ids[dec.name], ids[pre.name])
-        triggers = []
-        for p in (pre, dec):
-            ws = await wait_ws(env, p, "woken and verified", verified_after(before[p.name]), timeout=120)
-            triggers.append(ws["status"]["lastWake"].get("trigger"))
-        # The role the request reached first is woken by it; the other by it too, or by the demand it
-        # makes (the frontend's in-flight count: the existing path), whichever comes first.
-        assert "request" in triggers, triggers
+def _helpers(pod: NodePod, container_id: str, op: str) -> list[Helper]:
+    """The agent's helpers (dynsnap-cuda, CRIU) running ``op`` for the worker's container now."""
+    ep = container_procs(pod.uid, container_id).entrypoint
+    return [h for h in helpers_for(procfs.pid_ns(ep), ep) if h.op == op]
 
 
-async def _helper_running(env: CtlEnv, pod: RunningPod, op: str, timeout: float = 60) -> int:
+async def _helper_running(env: Env, pod: NodePod, op: str, timeout: float = 60) -> int:
+    cid = (await kubelet_facts(env.api, pod)).container_id
+
     async def found() -> int | None:
-        return next((h.pid for h in helpers_of(pod) if h.op == op), None)
+        return next((h.pid for h in _helpers(pod, cid, op)), None)
     pid: int = await wait_for(f"dynsnap-cuda {op} running for {pod.name}", found, timeout=timeout, interval=0.05)
     return pid
 
 
-async def test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_fallback(cluster: LocalCluster) -> None:
+async def test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_fallback(env: Env) -> None:
     """The resume of a wake on request held by the driver, then its helper killed (SIGKILL): the agent
     stops the worker, so the request it held ends with an error within a bound (the frontend answers
     it, no hang); the wake ends Verified=False with its reason, and the fallback (restart) deletes the
-    pod for the operator to recreate cold."""
-    async with running(cluster, agg) as env:
-        last = await _all_asleep(env, "worker")
+    pod for the operator to recreate cold (the example's on-failed-wake)."""
+    async with deployed(env, agg(env, "wor-failed")) as g:
+        assert env.fe is not None
+        last = await _all_asleep(env, g)
         uid = last.uid
         env.driver.control("hang cuCheckpointProcessRestore * 30000")
         request = asyncio.create_task(env.fe.chat(PROMPT))
@@ -234,33 +218,35 @@ async def test_a_failed_wake_on_request_ends_its_request_with_an_error_and_the_f
         await wait_for("the pod deleted by the fallback", deleted, timeout=120, interval=0.5)
 
 
-async def test_a_request_that_arrives_during_the_last_workers_save_waits_and_is_answered(
-        cluster: LocalCluster) -> None:
-    async with running(cluster, agg) as env:
-        reference = await _reference(env, "worker")
+async def test_a_request_that_arrives_during_the_last_workers_save_waits_and_is_answered(env: Env) -> None:
+    async with deployed(env, agg(env, "wor-saving")) as g:
+        assert env.fe is not None
+        reference = await _reference(env, g)
+        pods = g.workers(WORKER_COMPONENT)
+        cids = {p.name: (await kubelet_facts(env.api, p)).container_id for p in pods}
         env.driver.control("hang cuCheckpointProcessCheckpoint * 4000")
         # The second sleeper is the routable one: wait for its save to be under way.
-        pods = env.graph.workers("worker")
 
-        async def saving() -> RunningPod | None:
+        async def saving() -> NodePod | None:
             for p in pods:
                 ws = await get_ws(env.api, p)
                 if ws and ws["spec"].get("routable") and ws["spec"]["desiredState"] == "Suspended" and \
-                        any(h.op == "save" for h in helpers_of(p)):
+                        _helpers(p, cids[p.name], "save"):
                     return p
             return None
-        last: RunningPod = await wait_for("the routable save under way", saving, timeout=180, interval=0.1)
+        last: NodePod = await wait_for("the routable save under way", saving, timeout=180, interval=0.1)
         r = await env.fe.chat(PROMPT)  # sent while the driver holds the save
         assert r.status == 200 and r.text == reference, r.body
         assert r.worker_id == await _iid(env, last)
         env.driver.clear_faults()
 
 
-async def test_two_requests_at_once_wake_one_worker_not_two(cluster: LocalCluster) -> None:
-    async with running(cluster, agg) as env:
-        reference = await _reference(env, "worker")
-        last = await _all_asleep(env, "worker")
-        other = next(p for p in env.graph.workers("worker") if p is not last)
+async def test_two_requests_at_once_wake_one_worker_not_two(env: Env) -> None:
+    async with deployed(env, agg(env, "wor-two")) as g:
+        assert env.fe is not None
+        reference = await _reference(env, g)
+        last = await _all_asleep(env, g)
+        other = next(p for p in g.workers(WORKER_COMPONENT) if p != last)
         other_wake = ((await get_ws(env.api, other)) or {})["status"].get("lastWake", {}).get("id")
         answers = await asyncio.gather(env.fe.chat(PROMPT), env.fe.chat(PROMPT))
         assert all(a.status == 200 and a.text == reference for a in answers), [a.body for a in answers]
