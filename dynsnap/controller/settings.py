@@ -67,7 +67,9 @@ class ControllerSettings(BaseModel):
         "Port of /healthz, /readyz and /metrics (0: an ephemeral port, logged)."))] = 8080
     health_host: Annotated[str, Field(description="Address the health and metrics port binds.")] = "0.0.0.0"
     otlp_endpoint: Annotated[str, Field(description=(
-        "OTLP/HTTP endpoint for traces (e.g. http://otel-collector:4318/v1/traces; empty: none)."))] = ""
+        "OpenTelemetry collector's OTLP/HTTP endpoint for traces: its base URL (http://otel-collector:4318; "
+        "/v1/traces is appended) or the full traces URL (http://otel-collector:4318/v1/traces), as the agent's. "
+        "Empty: none."))] = ""
     trace_file: Annotated[str, Field(description=(
         "Also write spans as JSON lines to this file (the demo and the tests read it; empty: none)."))] = ""
 
