@@ -113,8 +113,9 @@ class AgentSettings(BaseModel):
         "Port of /healthz, /readyz and /metrics (0: none)."))] = 8090
     otlp_endpoint: Annotated[str, Field(description=(
         "OpenTelemetry collector's OTLP/HTTP endpoint for traces: its base URL (http://otel-collector:4318; "
-        "/v1/traces is appended) or the full traces URL, as the controller's. Each finished capture and wake is exported as one span per step, in the trace "
-        "the controller named on the WorkerSnapshot. Empty: not exported."))] = ""
+        "/v1/traces is appended) or the full traces URL, as the controller's. Each finished capture and wake "
+        "is exported as one span per step, in the trace the controller named on the WorkerSnapshot. Empty: not "
+        "exported."))] = ""
     trace_file: Annotated[Path | None, Field(description=(
         "Also append every span to this file as one JSON object per line (tests and dynsnap demo read it; no "
         "collector needed). Empty: none."))] = None
