@@ -11,14 +11,14 @@ mocker's disaggregated graph runs there, tests/integration/node/test_controller_
 from __future__ import annotations
 
 import pytest
-from controllerenv import CtlEnv, asleep, get_ws, policy, running, verified_after, wait_ws
+from controllerenv import CtlEnv, get_ws, policy, running, verified_after, wait_ws
+from routablecheck import all_asleep, in_serving
 
 from dynsnap.k8s.client import Obj
-from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.cluster import LocalCluster, RunningPod
 from dynsnap.testenv.dynsnap_parts import StubDriver, engine_worker_component
 
 pytestmark = pytest.mark.cluster
@@ -37,36 +37,12 @@ def disagg(driver: StubDriver) -> Obj:
     return body
 
 
-def routable(ws: Obj | None) -> bool:
-    """Asleep routable: asleep, and the agent's Suspended condition says Routable."""
-    c = next((c for c in ((ws or {}).get("status") or {}).get("conditions") or [] if c["type"] == "Suspended"), None)
-    return asleep(ws) and c is not None and c["reason"] == "Routable" and bool((ws or {})["spec"].get("routable"))
-
-
 async def _all_asleep(env: CtlEnv, component: str, timeout: float = 180) -> RunningPod:
-    """Every worker of ``component`` asleep, exactly one routable (the last); that one."""
-    pods = env.graph.workers(component)
-
-    async def done() -> RunningPod | None:
-        wss = [await get_ws(env.api, p) for p in pods]
-        if not all(asleep(ws) for ws in wss):
-            return None
-        rout = [p for p, ws in zip(pods, wss, strict=True) if routable(ws)]
-        assert len(rout) <= 1, "more than one worker of the component sleeps routable"
-        return rout[0] if rout else None
-    found: RunningPod = await wait_for(f"every {component} asleep, the last routable", done, timeout=timeout,
-                                       interval=0.5)
-    return found
+    return await all_asleep(env.api, env.graph.workers(component), component, timeout)
 
 
 async def _in_serving(env: CtlEnv, pod: RunningPod) -> None:
-    """Asleep and still in serving: pod Ready, gate True, endpoint ready, the model listed."""
-    live = await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
-    conds = {c["type"]: c["status"] for c in live["status"].get("conditions") or []}
-    assert conds.get("Ready") == "True" and conds.get(P.CONDITION_SERVING) == "True", conds
-    ep = await env.cluster.endpoint_of(pod, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
-    assert ep is not None and ep["conditions"]["ready"] is True, ep
-    assert await env.fe.model_listed(), "the model left the frontend while its last worker sleeps"
+    await in_serving(env.cluster, env.fe, pod)
 
 
 async def _iid(env: CtlEnv, pod: RunningPod) -> int:

@@ -32,10 +32,10 @@ from controllerenv import asleep, events_for, get_ws, policy, verified_after, wa
 from helperprocs import Helper, helpers_for
 from realnodeenv import WORKER_COMPONENT, Env, deployed
 from realnodefacts import container_procs
+from routablecheck import all_asleep, in_serving, routable
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
-from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.runtime import procfs
@@ -56,37 +56,13 @@ def agg(env: Env, name: str) -> Obj:
     return chart_node.example_body(env, name=name, engine=ENGINE, policy=policy(**POLICY))
 
 
-def routable(ws: Obj | None) -> bool:
-    """Asleep routable: asleep, and the agent's Suspended condition says Routable."""
-    c = next((c for c in ((ws or {}).get("status") or {}).get("conditions") or [] if c["type"] == "Suspended"), None)
-    return asleep(ws) and c is not None and c["reason"] == "Routable" and bool((ws or {})["spec"].get("routable"))
-
-
 async def _all_asleep(env: Env, g: Graph, component: str = WORKER_COMPONENT, timeout: float = 180) -> NodePod:
-    """Every worker of ``component`` asleep, exactly one routable (the last); that one."""
-    pods = g.workers(component)
-
-    async def done() -> NodePod | None:
-        wss = [await get_ws(env.api, p) for p in pods]
-        if not all(asleep(ws) for ws in wss):
-            return None
-        rout = [p for p, ws in zip(pods, wss, strict=True) if routable(ws)]
-        assert len(rout) <= 1, "more than one worker of the component sleeps routable"
-        return rout[0] if rout else None
-    found: NodePod = await wait_for(f"every {component} asleep, the last routable", done, timeout=timeout,
-                                       interval=0.5)
-    return found
+    return await all_asleep(env.api, g.workers(component), component, timeout)
 
 
 async def _in_serving(env: Env, pod: NodePod) -> None:
-    """Asleep and still in serving: pod Ready (kubelet's word), gate True, endpoint ready, the model listed."""
-    live = await env.api.get(R.PODS, pod.name, namespace=pod.namespace)
-    conds = {c["type"]: c["status"] for c in live["status"].get("conditions") or []}
-    assert conds.get("Ready") == "True" and conds.get(P.CONDITION_SERVING) == "True", conds
-    ep = await env.cluster.endpoint_of(pod, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
-    assert ep is not None and ep["conditions"]["ready"] is True, ep
     assert env.fe is not None
-    assert await env.fe.model_listed(), "the model left the frontend while its last worker sleeps"
+    await in_serving(env.cluster, env.fe, pod)
 
 
 async def _iid(env: Env, pod: NodePod) -> int:
