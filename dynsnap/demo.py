@@ -150,8 +150,9 @@ async def _check_wakes(api: Kube, tl: S.Timeline, before: dict[str, Obj], sleepi
                  and after["status"]["podIP"] == ident["podIP"] and dwm["metadata"]["uid"] == ident["dwmUID"],
                  f"{name}: same pod UID, pod IP and DWM UID as before it slept")
     ok = sum(x.ok for x in loads)
-    failed = sum(len(x.failed) for x in loads)
-    tl.check(failed == 0, f"every request through the frontend answered: {ok} ok, {failed} failed")
+    failures = [f"{x.clients} client(s) {f}" for x in loads for f in x.failed]
+    said = "".join(f"\n    {f}" for f in failures[:5])
+    tl.check(not failures, f"every request through the frontend answered: {ok} ok, {len(failures)} failed{said}")
 
 
 def _check_kubelet(tl: S.Timeline, watch: S.KubeletWatch, slept: set[str], *, why_ready: str = "") -> None:

@@ -193,12 +193,18 @@ class LoadGen:
     def __init__(self, fe: D.FrontendClient, clients: int, *, pause: float = 0.0, max_tokens: int = 40) -> None:
         self.fe, self.clients, self.pause, self.max_tokens = fe, clients, pause, max_tokens
         self.ok = 0
-        self.failed: list[str] = []
+        self.failed: list[str] = []  # each: when (since start), what came back
+        self.started = time.monotonic()
         self.stop_ev = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
+        self.started = time.monotonic()
         self.tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
+
+    def _at(self) -> str:
+        """When a request failed: seconds since this load started, to place it on the timeline."""
+        return f"+{time.monotonic() - self.started:.2f}s"
 
     async def _client(self, i: int) -> None:
         n = 0
@@ -209,9 +215,9 @@ class LoadGen:
                 if r.status == 200:
                     self.ok += 1
                 else:
-                    self.failed.append(f"HTTP {r.status}")
+                    self.failed.append(f"{self._at()} HTTP {r.status} {str(r.body)[:160]}")
             except httpx.HTTPError as e:
-                self.failed.append(f"{type(e).__name__}")
+                self.failed.append(f"{self._at()} {type(e).__name__}: {str(e)[:160]}")
             if self.pause:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop_ev.wait(), self.pause)

@@ -155,6 +155,15 @@ async def _release(cluster: LocalCluster, pod: RunningPod) -> None:
     await quiesce(cluster, pod, serving=True)
 
 
+def _restore(path: Path, genuine: bytes) -> None:
+    """The entrypoint's own control file back, in one step. Only after :func:`_release`: restored while
+    a WorkerSnapshot still asks for Suspended and the gate is still False, the agent's next look (the
+    echo of its own refusal, a pod event) finds a valid worker out of serving and rightly captures it."""
+    tmp = path.parent / ".tampered"
+    tmp.write_bytes(genuine)
+    tmp.rename(path)
+
+
 def _ep_state(path: Path) -> str:
     return str(json.loads((path / P.ENTRYPOINT_CONTROL_FILE).read_text())["state"])
 
@@ -266,9 +275,8 @@ async def test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched(
         if node_before is not None:
             assert node_file.read_bytes() == node_before
     finally:
-        tmp.write_bytes(genuine)
-        tmp.rename(path)
         await _release(cluster, pod)
+        _restore(path, genuine)
     await _pinned(env, "tamper")
 
 
@@ -291,10 +299,9 @@ async def test_the_agent_serves_its_other_workers_while_some_are_refused(cluster
             accepted = condition(ws, "Accepted")
             assert accepted is not None and accepted["status"] == "False", accepted
     finally:
-        (path.parent / ".tampered").write_bytes(genuine)
-        (path.parent / ".tampered").rename(path)
         for pod in (tamper, symlinked, worker):
             await _release(cluster, pod)
+        _restore(path, genuine)
 
 
 # -- markers any process can forge ------------------------------------------------------------------
