@@ -275,8 +275,10 @@ async def test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched(
         if node_before is not None:
             assert node_file.read_bytes() == node_before
     finally:
-        await _release(cluster, pod)
-        _restore(path, genuine)
+        try:
+            await _release(cluster, pod)
+        finally:
+            _restore(path, genuine)
     await _pinned(env, "tamper")
 
 
@@ -299,9 +301,11 @@ async def test_the_agent_serves_its_other_workers_while_some_are_refused(cluster
             accepted = condition(ws, "Accepted")
             assert accepted is not None and accepted["status"] == "False", accepted
     finally:
-        for pod in (tamper, symlinked, worker):
-            await _release(cluster, pod)
-        _restore(path, genuine)
+        try:
+            for pod in (tamper, symlinked, worker):
+                await _release(cluster, pod)
+        finally:
+            _restore(path, genuine)
 
 
 # -- markers any process can forge ------------------------------------------------------------------
