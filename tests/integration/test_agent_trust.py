@@ -155,13 +155,24 @@ async def _release(cluster: LocalCluster, pod: RunningPod) -> None:
     await quiesce(cluster, pod, serving=True)
 
 
-def _restore(path: Path, genuine: bytes) -> None:
-    """The entrypoint's own control file back, in one step. Only after :func:`_release`: restored while
-    a WorkerSnapshot still asks for Suspended and the gate is still False, the agent's next look (the
-    echo of its own refusal, a pod event) finds a valid worker out of serving and rightly captures it."""
+def _replace(path: Path, content: bytes) -> None:
+    """``path`` holds ``content``, replaced in one step (as the worker could)."""
     tmp = path.parent / ".tampered"
-    tmp.write_bytes(genuine)
+    tmp.write_bytes(content)
     tmp.rename(path)
+
+
+async def _release_then_restore(cluster: LocalCluster, pods: tuple[RunningPod, ...], path: Path,
+                                genuine: bytes) -> None:
+    """Each of ``pods`` released, then the entrypoint's own control file back (also where a release
+    failed). In that order: restored while a WorkerSnapshot still asks for Suspended and the gate is
+    still False, the agent's next look (the echo of its own refusal, a pod event) finds a valid worker
+    out of serving and rightly captures it."""
+    try:
+        for pod in pods:
+            await _release(cluster, pod)
+    finally:
+        _replace(path, genuine)
 
 
 def _ep_state(path: Path) -> str:
@@ -275,10 +286,7 @@ async def test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched(
         if node_before is not None:
             assert node_file.read_bytes() == node_before
     finally:
-        try:
-            await _release(cluster, pod)
-        finally:
-            _restore(path, genuine)
+        await _release_then_restore(cluster, (pod,), path, genuine)
     await _pinned(env, "tamper")
 
 
@@ -287,8 +295,7 @@ async def test_the_agent_serves_its_other_workers_while_some_are_refused(cluster
     tamper, symlinked, worker = env.pod("tamper"), env.pod("symlinked"), env.pod("worker")
     path = control_dir(tamper) / P.ENTRYPOINT_CONTROL_FILE
     genuine = path.read_bytes()
-    (path.parent / ".tampered").write_bytes(b"\xff not json")
-    (path.parent / ".tampered").rename(path)
+    _replace(path, b"\xff not json")
     await api.create(R.WORKER_SNAPSHOTS, ws_body(worker, tier="suspend"))
     try:
         await _refused(cluster, env, tamper, "EntrypointUnreadable", "not JSON")
@@ -301,11 +308,7 @@ async def test_the_agent_serves_its_other_workers_while_some_are_refused(cluster
             accepted = condition(ws, "Accepted")
             assert accepted is not None and accepted["status"] == "False", accepted
     finally:
-        try:
-            for pod in (tamper, symlinked, worker):
-                await _release(cluster, pod)
-        finally:
-            _restore(path, genuine)
+        await _release_then_restore(cluster, (tamper, symlinked, worker), path, genuine)
 
 
 # -- markers any process can forge ------------------------------------------------------------------
