@@ -134,15 +134,18 @@ class Env:
         sel = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
         return list((await self.api.list(R.PODS, namespace=NS, label_selector=sel))["items"])
 
-    async def pod_log(self, namespace: str, name: str, container: str, *, tail: int = 80) -> str:
-        """``kubectl logs``: through the API server from the node's kubelet."""
+    async def pod_log(self, namespace: str, name: str, container: str, *, tail: int = 80,
+                      previous: bool = False) -> str:
+        """``kubectl logs`` (``--previous``: the container's last exited run): through the API server
+        from the node's kubelet."""
         cp = self.cluster.cp
         assert cp is not None and cp.pki is not None
         try:
             async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cp.pki.ca_cert)), timeout=10,
                                          headers={"Authorization": f"Bearer {cp.identities['admin'].token}"}) as http:
                 r = await http.get(f"{cp.url}/api/v1/namespaces/{namespace}/pods/{name}/log",
-                                   params={"container": container, "tailLines": str(tail)})
+                                   params={"container": container, "tailLines": str(tail),
+                                           **({"previous": "true"} if previous else {})})
                 return r.text
         except httpx.HTTPError as e:
             return f"(no log: {e})"

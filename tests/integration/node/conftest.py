@@ -6,7 +6,9 @@ for the whole session, and the chart's controller would go on acting on the sand
 deploys its graph with realnodeenv.deployed and deletes it after.
 
 The chart values are the tests' (chart_node.chart_values) and realnodeenv.SHARED_VALUES, which the
-tests read where they depend on them (the controller's wake timeout).
+tests read where they depend on them (the controller's wake timeout), and both components'
+``otlpEndpoint``: the package's OTLP receiver (``otlp``, otlp_collector.py) on the host's address on
+the run's bridge, where the chart's pods send their traces as they would to a user's collector.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # controllerenv, realnodeenv, ...
 
+from otlp_collector import Collector, collecting
 from realnodeenv import SHARED_VALUES, Env, installed
 
 from dynsnap.testenv.cluster import LocalCluster
@@ -27,7 +30,16 @@ GPUS = 4  # the most workers one test runs at once (the disaggregated graph: 2 p
 
 
 @pytest.fixture(scope="package")
-async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+async def otlp(cluster: LocalCluster) -> AsyncIterator[Collector]:
+    async with collecting(cluster.net.gateway) as c:
+        yield c
+
+
+@pytest.fixture(scope="package")
+async def env(cluster: LocalCluster, otlp: Collector, tmp_path_factory: pytest.TempPathFactory
+              ) -> AsyncIterator[Env]:
+    values = {section: {**SHARED_VALUES.get(section, {}), "otlpEndpoint": otlp.endpoint}
+              for section in ("controller", "agent")}
     async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-suites")), gpus=GPUS,
-                         values=SHARED_VALUES) as e:
+                         values=values) as e:
         yield e
