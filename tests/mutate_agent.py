@@ -55,8 +55,9 @@ HELPER_HANG = FAULTS + "test_helper_hanging_past_its_bound_is_killed_rolled_back
 LOCK_TIMEOUT = FAULTS + "test_lock_that_never_comes_back_fails_the_capture_and_unlocks_the_others"
 IO_URING = FAULTS + "test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapped_one"
 BUDGET = FAULTS + "test_capture_over_the_disk_budget_is_refused_before_it_starts"
-PIDFLOOR = "tests/integration/test_agent_pidfloor.py::test_snapshot_is_refused_without_the_pid_reservation"
-CRIU_FDS = "tests/integration/test_agent_criu_fds.py::test_snapshot_wakes_a_worker_whose_container_has_no_criu"
+PIDFLOOR = ("tests/integration/node/test_controller_refusals.py::"
+            "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again[PidReservationMissing]")
+CRIU_FDS = "tests/integration/node/test_agent.py::test_a_worker_through_each_tier_and_back_is_the_same_worker[snapshot]"
 SERVING = REFUSALS + "test_capture_of_a_worker_still_in_serving_is_refused_until_it_is_quiesced"
 EXEC_SERVING = "tests/native/test_agent_exec.py::test_exec_refuses_a_capture_not_confirmed_out_of_serving"
 WRONG_UID = REFUSALS + "test_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing[uid-of-another-pod]"

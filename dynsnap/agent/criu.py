@@ -56,7 +56,7 @@ mount namespace; the descriptors are opened close-on-exec and passed to nsenter 
   the worker's mount namespace (locally the pod sandboxes share the node's file system).
 
 CRIU's restore closes, in every restored process, each descriptor it did not restore itself, so
-none of these reach the woken worker (tests/integration/test_agent_criu_fds.py checks both).
+none of these reach the woken worker (tests/integration/node/test_agent.py checks both, on the real node).
 """
 
 from __future__ import annotations

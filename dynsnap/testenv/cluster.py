@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -85,16 +84,6 @@ def resolve_env(pod: Obj, container: Obj) -> dict[str, str]:
                 raise ValueError(f"env {item['name']}: fieldRef {path} is not supported by the test kubelet")
             env[item["name"]] = fields[path]
     return env
-
-
-# testenv only: a JSON list of node directories the pod's container must not see (each gets an empty
-# read-only tmpfs over it in the sandbox), as a container image without them would not have them.
-HIDDEN_PATHS_ANNOTATION = "testenv.dynsnap.io/hidden-paths"
-
-
-def hidden_paths(pod: Obj) -> list[str]:
-    raw = (pod["metadata"].get("annotations") or {}).get(HIDDEN_PATHS_ANNOTATION)
-    return [str(p) for p in json.loads(raw)] if raw else []
 
 
 def empty_dir_mounts(pod: Obj, container: Obj) -> list[str]:
@@ -240,7 +229,7 @@ class LocalCluster:
         sandbox = await PodSandbox.start(
             net=self.net, name=name, namespace=ns, uid=live["metadata"]["uid"], pod_ip=live["status"]["podIP"],
             command=command, env=env, workdir=self.workdir / "pods" / f"{ns}_{name}",
-            mounts=empty_dir_mounts(live, container), hidden=hidden_paths(live),
+            mounts=empty_dir_mounts(live, container),
         )
         kubelet = StubKubelet(self.api, ns, name, live["status"]["podIP"])
         kubelet.start()

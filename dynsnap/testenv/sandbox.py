@@ -27,10 +27,6 @@ runtime would, so that the agent finds its processes as on a real node:
   namespace only, as a runtime gives each pod its own emptyDir (so every pod can
   use ``/run/dynsnap`` as its control directory, and the node reaches it only
   through ``/proc/<pid>/root``);
-- hidden paths: an empty read-only tmpfs over each of ``hidden`` (directories of
-  the node) inside the pod's mount namespace only. It stands in for a container
-  image that lacks them: here the pods share the node's file system, so a pod
-  would otherwise see every node path (the agent's CRIU, its images).
 
 Process chain: ``sh`` (joins the cgroups) → ``setpriv --pdeathsig KILL`` → ``ip netns exec``
 → ``unshare ... --kill-child`` → PID 1 (``setsid`` → ``sh -c 'exec CMD >LOG'``). All
@@ -151,7 +147,6 @@ class PodSandbox:
         container: str = "main",
         startup_timeout: float = 10.0,
         mounts: list[str] | None = None,
-        hidden: list[str] | None = None,
     ) -> PodSandbox:
         """Start the pod: network, cgroups, namespaces, then ``command`` as PID 1.
 
@@ -171,14 +166,14 @@ class PodSandbox:
         sb.cgroup_parent = cgroup_parent
         net.on_down(sb.netns, lambda: sb.stop(grace=0))
         try:
-            await sb._launch(command, env, workdir, startup_timeout, mounts or [], hidden or [])
+            await sb._launch(command, env, workdir, startup_timeout, mounts or [])
         except BaseException:
             await sb.stop(grace=0)
             raise
         return sb
 
     async def _launch(self, command: list[str], env: dict[str, str], workdir: Path, limit: float,
-                      mounts: list[str], hidden: list[str]) -> None:
+                      mounts: list[str]) -> None:
         await self.net.attach(self.netns, self.pod_ip, hostname=self.name)
         _mkdirs(self.cgroup_paths)
         q = shlex.quote
@@ -189,7 +184,6 @@ class PodSandbox:
         run = f"exec {q(find_tool('setsid'))} {shlex.join(command)} >{log} 2>&1 </dev/null"
         volumes = "".join(f"mkdir -p {q(m)} && mount -t tmpfs -o mode=0755,size=64m emptydir {q(m)} && "
                           for m in mounts)
-        volumes += "".join(f"mount -t tmpfs -o ro,mode=0755,size=4k hidden {q(h)} && " for h in hidden)
         inner = self._join_cgroups() + volumes + run
         chain = [
             find_tool("setpriv"), "--pdeathsig", "KILL",

@@ -17,7 +17,7 @@ import yaml
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import resources as R
-from dynsnap.testenv.cluster import NODES, LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
 from dynsnap.testenv.dynsnap_parts import (  # noqa: F401 (re-exported for the tests)
     AGENT_NS,
     AGENT_SA,
@@ -79,12 +79,16 @@ def _hex_addr(ip: str, port: int) -> str:
 
 
 def established(pod: RunningPod, *, remote: tuple[str, int] | None = None) -> set[tuple[str, str]]:
-    """ESTABLISHED TCP connections in the pod's network namespace (local, remote as /proc's hex
+    """ESTABLISHED TCP connections in the pod sandbox's network namespace (:func:`tcp_established`)."""
+    return tcp_established(pod.sandbox.pid, remote=remote)
+
+
+def tcp_established(pid: int, *, remote: tuple[str, int] | None = None) -> set[tuple[str, str]]:
+    """ESTABLISHED TCP connections in ``pid``'s network namespace (local, remote as /proc's hex
     addr:port), only those to ``remote`` (ip, port) when given."""
-    host = pod.sandbox.pid
     want = _hex_addr(*remote) if remote else None
     out = set()
-    for line in Path(f"/proc/{host}/net/tcp").read_text().splitlines()[1:]:
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
         parts = line.split()
         if len(parts) > 3 and parts[3] == "01" and (want is None or parts[2] == want):
             out.add((parts[1], parts[2]))
@@ -96,10 +100,6 @@ def apiserver_addr(cluster: LocalCluster) -> tuple[str, int]:
     hostport = cluster.cp.url.removeprefix("https://")
     host, port = hostport.rsplit(":", 1)
     return host, int(port)
-
-
-def spread(n: int) -> list[str]:
-    return [NODES[i % len(NODES)] for i in range(n)]
 
 
 async def eventually(what: str, check: Callable[[], Awaitable[Any]], timeout: float = 60) -> Any:

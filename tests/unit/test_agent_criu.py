@@ -2,7 +2,7 @@
 (dynsnap/agent/criu.py): the loader from the binary's PT_INTERP, the library directories from the
 loader's ``--list``, everything as ``/proc/self/fd/N`` of descriptors opened for the run and closed
 after it; a script by path.
-The real CRIU in a worker without any of it: tests/integration/test_agent_criu_fds.py."""
+The real CRIU in a worker without any of it: tests/integration/node/test_agent.py (the real node)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ Two idle workers of one component (min-active 1, tier snapshot) whose entrypoint
 impossible, for real: started with ``--no-seccomp`` (the agent refuses ``SeccompOff``), or in a
 container without capabilities (writing ns_last_pid is refused: containerd mounts /proc/sys read-only
 besides) and told not to cycle pids instead (the reservation fails: the agent refuses
-``PidReservationMissing``; tests/integration/test_agent_pidfloor.py shows the agent's side). The
-controller quiesces one for idleness and asks for the capture; the agent refuses it. Then, for each
-worker in turn (the planner picks the other once the first is back):
+``PidReservationMissing``; the entrypoint's control file and log say the reservation failed, and
+nothing is saved). The controller quiesces one for idleness and asks for the capture; the agent
+refuses it. Then, for each worker in turn (the planner picks the other once the first is back):
 
 - the refusal on record (``status.controller.refusal``: the agent's reason, the pod UID, the spec's
   generation, the policy's hash) and a Warning Event ``CaptureRefused`` naming the reason;
@@ -28,12 +28,15 @@ answered 400, while the agent retried (the controller had set Suspended and coun
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from controllerenv import asleep, events_for, gate_of, get_ws, history, policy, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, edit_dgd
+from realnodefacts import container_procs, kubelet_facts
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -57,8 +60,7 @@ def no_seccomp(main: Obj) -> None:
 
 def no_pid_reservation(main: Obj) -> None:
     """The worker container without capabilities (writing ns_last_pid is refused) and the entrypoint told
-    not to cycle pids instead: the reservation fails and the agent refuses PidReservationMissing (as in
-    test_agent_pidfloor.py)."""
+    not to cycle pids instead: the reservation fails and the agent refuses PidReservationMissing."""
     cmd: list[str] = main["command"]
     cmd.insert(cmd.index("--"), "--no-pid-cycle")
     main.setdefault("securityContext", {})["capabilities"] = {"drop": ["ALL"]}
@@ -77,6 +79,13 @@ def graph(env: Env, name: str, spoil: Callable[[Obj], None]) -> Obj:
     worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     spoil(next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main"))
     return body
+
+
+async def control_file(env: Env, pod: NodePod) -> Obj:
+    """The worker's entrypoint.json, read through its entrypoint's /proc/<pid>/root."""
+    ep = container_procs(pod.uid, (await kubelet_facts(env.api, pod)).container_id).entrypoint
+    info: Obj = json.loads((Path(f"/proc/{ep}/root") / "run/dynsnap/entrypoint.json").read_text())
+    return info
 
 
 def record(ws: Obj | None) -> dict[str, Any]:
@@ -131,6 +140,12 @@ async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_
             assert ref["podUID"] == pod.uid and ref["generation"] == ws["metadata"]["generation"]
             assert ref["captureId"] == record(ws)["capture"]["id"] and record(ws)["capture"]["ok"] is False
             assert record(ws)["capture"]["error"]["reason"] == reason
+            if reason == "PidReservationMissing":  # the entrypoint's own account; nothing was saved
+                info = await control_file(env, pod)
+                assert info["pid_reserved"] is False and info["state"] == "active", info
+                log = await env.pod_log(pod.namespace, pod.name, "main", tail=100000)
+                assert "PID RESERVATION FAILED" in log, log[:2000]
+                assert not ws["status"].get("image"), ws["status"]
             await assert_serving(env, pod)
             warned = [e for e in await events_for(env.api, pod.namespace, pod.name)
                       if e["type"] == "Warning" and e["reason"] == "CaptureRefused"]
