@@ -9,6 +9,9 @@ its audit log shows what each worker asks of it and when the server ends each wa
    while the workers' connections are frozen in a CRIU image. Woken, the workers serve at once (same
    DWM, routed to by the frontend) and watch again; how soon depends on how their connections come
    back (see the test's docstring).
+
+Sandbox, why: it restarts the API server of a cluster of its own and reads that server's audit log;
+no real node is built on that second cluster yet.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ The agent (node-a's; every worker of the module runs there) runs as its own proc
 bounds: ``--failure-backoff 1``, ``--helper-timeout 3``, ``--lock-timeout-ms 1000``,
 ``--gc-interval 2``, and fake_held_criu as its ``--criu`` (it runs the real CRIU; it only holds back
 the exit of a dump when a test asks it to).
+
+Sandbox, why: each fault swaps the agent's CRIU for a fake one or drives the stub driver through the
+agent's own command line, which the chart's agent pod does not take; not yet moved to the real node.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@
   before any lock; with the settings, the same worker is captured and woken.
 - Idle facts at the edge: ``status.idle`` follows the worker's own metrics, and a quiet worker's
   WorkerSnapshot is not rewritten.
+
+Sandbox, why: it hands the agent WorkerSnapshots it writes itself, with no controller; on the real
+node the chart's controller owns them (the controller-side refusals are
+node/test_controller_refusals.py).
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ checkpointed unless the worker is asleep, no staging directory left and the seal
 one restored, no helper left running, the pod's identity intact (UID, IP, DWM UID, instance id,
 its container never restarted) and, once awake and back in serving, a request pinned to the worker
 answered by it.
+
+Sandbox, why: it SIGKILLs the agent process at each of 20 steps; on the real node that is deleting
+its pod, shown for a save and a resume in test_real_node_faults.py, the other steps not yet moved.
 """
 
 from __future__ import annotations

@@ -4,7 +4,12 @@ capture and wake of a live mocker worker as one span per step, in the trace the 
 ``status.lastCapture/lastWake.steps``, laid end to end from the record's start), records that
 traceparent in ``traceContext``; without one, it roots a trace of its own; a failed capture's
 failing step carries the failure's reason. Its ``/metrics`` on the health port counts and times them
-and shows the workers of its node by state."""
+and shows the workers of its node by state.
+
+Sandbox, why: it writes WorkerSnapshots with and without a traceparent, with no controller (which
+always sets one), and reads the agent's --trace-file; the traces across the chart's pods are
+node/test_controller_telemetry.py.
+"""
 
 from __future__ import annotations
 

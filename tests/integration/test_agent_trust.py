@@ -13,6 +13,9 @@ the local environment, one agent for their node:
   the worker's own tree, both carrying ``DYNSNAP_OP=<the pod's UID>/criu``, change nothing (no
   ``wait-helper``, nothing killed), while a dynsnap-cuda an earlier agent process left running past its
   bound is found through the agent's registry and killed.
+
+Sandbox, why: it rewrites a worker's control directory between the agent's looks with the agent as
+one process of the test's; not yet moved to the real node.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ agent with its capture format one newer and this one's still read, as that relea
 ``IMAGE_FORMATS_READ`` would say. The worker is a live mocker under dynsnap-entrypoint in a pod
 sandbox; after the wake it is the same worker (its container never restarted, the same pod UID and
 IP) and a request pinned to it is answered by it.
+
+Sandbox, why: the next release's agent is fake_next_agent, a process; on the real node it would be a
+second agent image, not built here (the chart's own agent upgrade under a sleeping worker is
+test_real_node_faults.py).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ In every case the failed worker's serving gate is False afterwards, its ``Verifi
 False with that reason, a Warning Event says so, and the unpinned requests were answered by the
 peer (a frozen worker answers nothing; requests the frontend routed to it while it was being
 verified end in 504, and none after the verdict).
+
+Sandbox, why: it needs the stub kubelet's readiness window and fake_apiproxy, on 127.0.0.1, holding
+the controller's delete; the chart's controller pod cannot reach a proxy there; not yet moved.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ module (ctlfaultsenv.py); the controller reaches the API server through fake_api
 stands in for a troubled hop to the API server: it holds the controller at one step of a cycle
 (by answering the write of the next step 503, so each retry fails there) and answers its watches
 410. Every wait is bounded; no test asserts a duration.
+
+Sandbox, why: the controller reaches the API server through fake_apiproxy on 127.0.0.1 (held writes,
+410 watches), which the chart's controller pod cannot reach; not yet moved (the real node's own
+faults are test_real_node_faults.py).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ Once the view catches up, the next quiesce passes all its steps and the worker i
 capture is asked for by hand (``dynsnap.io/desired-state: suspended``) with a serving peer, so
 min-active allows it and nothing else decides. Each quiesce is counted: the worker's Quiescing
 Event's ``series.count`` (or its Events) is the number of quiesces it went through.
+
+Sandbox, why: the controller's and the frontend's links to the API server go through fake_apiproxy
+and fake_held_link on 127.0.0.1, which pods of the real node cannot reach; not yet moved.
 """
 
 from __future__ import annotations

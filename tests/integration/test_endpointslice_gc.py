@@ -1,6 +1,10 @@
 """The real kube-controller-manager: the EndpointSlice controller follows a sandboxed
 pod's readiness (including a readiness gate), and the garbage collector deletes a DWM
-whose owner pod is gone."""
+whose owner pod is gone.
+
+Sandbox, why: it checks the real kube-controller-manager against a pod whose readiness the test sets
+itself; no dynsnap part runs.
+"""
 
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ again, as vLLM's level 1 does). The controller, the agents and the frontend are 
   (EngineRouteFailed, EngineRouteTimeout) and bounded, the worker back in serving;
 - a worker whose engine has no routes: refused before anything changes (EngineRoutesMissing), put
   back into serving and not asked again; with tier auto the same worker is captured with suspend.
+
+Sandbox, why: not yet moved to the real node (the stand-in engine runs there already:
+node/test_wake_on_request.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ build on, shown here:
   own driver calls while it is locked or checkpointed, as the H200's driver does), a request pinned
   to it is held inside its driver call, not refused, while the model stays listed and its system
   port reports it in flight; after ``dynsnap-cuda resume`` that worker answers it, the same text.
+
+Sandbox, why: it tests the stand-in engine itself behind the real frontend; no dynsnap part runs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The stub kubelet's liveness accounting is a real detector: a pod whose liveness probe
 fails gets its restartCount raised in the API (what kubelet would restart), so the
-``restarts == 0`` checks elsewhere (a sleeping worker was never killed) can fail."""
+``restarts == 0`` checks elsewhere (a sleeping worker was never killed) can fail.
+
+Sandbox, why: it tests the stub kubelet itself, which the remaining sandbox suites still use.
+"""
 
 from __future__ import annotations
 
