@@ -180,7 +180,8 @@ async def upgrade(env: Env, values: Obj) -> None:
     await _install(env, values, upgrade=True)
 
 
-def _pod_ready(pod: Obj) -> bool:
+def pod_ready(pod: Obj) -> bool:
+    """The pod's Ready condition is True (kubelet's account)."""
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
@@ -199,7 +200,7 @@ async def _install(env: Env, values: Obj, *, upgrade: bool = False) -> None:
     # helm's --wait counts a DaemonSet ready with maxUnavailable (1) pods not ready: wait for the agent.
     async def ready() -> bool:
         pods = [p for comp in ("controller", "agent") for p in await env.chart_pods(comp)]
-        return len(pods) == 2 and all(_pod_ready(p) and p["spec"]["nodeName"] == env.node.name
+        return len(pods) == 2 and all(pod_ready(p) and p["spec"]["nodeName"] == env.node.name
                                       and not p["metadata"].get("deletionTimestamp") for p in pods)
     try:
         await wait_for("the chart's controller and agent pods Ready on the real node", ready, timeout=180,

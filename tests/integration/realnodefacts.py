@@ -101,3 +101,19 @@ def stub_state(driver: StubDriver, pid: int) -> int:
     st, ns = procfs.status(pid), procfs.pid_ns(pid)
     assert st is not None and ns is not None
     return driver.states().get((ns << NSKEY_SHIFT) | st.nspid[-1], 0)
+
+
+def container_pid(pod: Obj, container: str) -> int:
+    """The host pid of ``pod``'s ``container``'s PID 1: the lowest pid of the pod's processes whose
+    cgroup paths name that container's id (as the pod's status reports it)."""
+    cid = next(c for c in pod["status"]["containerStatuses"] if c["name"] == container)["containerID"]
+    pids = [p for p in procfs.pod_pids(pod["metadata"]["uid"]) if any(cid.split("//")[1] in c for c in
+                                                                      procfs.cgroup_paths(p))]
+    assert pids, f"no process of {pod['metadata']['name']}/{container}"
+    return min(pids)
+
+
+def control_file(entrypoint: int) -> Obj:
+    """The worker's entrypoint.json, read through its entrypoint's /proc/<pid>/root."""
+    info: Obj = json.loads((Path(f"/proc/{entrypoint}/root") / "run/dynsnap/entrypoint.json").read_text())
+    return info

@@ -28,6 +28,7 @@ from realnodeenv import NODE, NS, RELEASE, WORKER_COMPONENT, Env, running
 from realnodefacts import (
     cgroup_file,
     cgroups,
+    container_pid,
     container_procs,
     kubelet_facts,
     namespaces,
@@ -67,14 +68,6 @@ async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -
                       f"median {statistics.median(secs):.3f} s")
 
 
-def _host_pid(pod: Obj, container: str) -> int:
-    cid = next(c for c in pod["status"]["containerStatuses"] if c["name"] == container)["containerID"]
-    pids = [p for p in procfs.pod_pids(pod["metadata"]["uid"]) if any(cid.split("//")[1] in c for c in
-                                                                      procfs.cgroup_paths(p))]
-    assert pids, f"no process of {pod['metadata']['name']}/{container}"
-    return min(pids)
-
-
 async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
     """The chart's Deployment and DaemonSet, each one pod on the node, Ready, from the project's images,
     under the chart's service accounts; the agent privileged in the host's pid namespace with the
@@ -87,16 +80,16 @@ async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
         assert pod["spec"]["nodeName"] == NODE and pod["spec"]["serviceAccountName"] == sa
         (cs,) = pod["status"]["containerStatuses"]
         assert cs["ready"] and cs["restartCount"] == 0 and cs["image"] == f"docker.io/library/{env.images[image]}"
-        pid = _host_pid(pod, cs["name"])
+        pid = container_pid(pod, cs["name"])
         assert (Path(f"/proc/{pid}/root") / "opt/dynsnap/bin/dynsnap").is_file()  # the image's, not this checkout
         assert procfs.environ(pid)["KUBERNETES_SERVICE_HOST"] == env.node.kube_proxy["services"][0]["clusterIP"]  # type: ignore[index]
     lease = await env.api.get(R.LEASES, f"{RELEASE}-controller", namespace=NS)
     assert lease["spec"]["holderIdentity"] == ctl["metadata"]["name"]
-    ctl_sec = security(_host_pid(ctl, "controller"))
+    ctl_sec = security(container_pid(ctl, "controller"))
     assert ctl_sec["CapEff"] == "0000000000000000" and ctl_sec["NoNewPrivs"] == "1" and ctl_sec["Seccomp"] == "2"
     assert agent["spec"]["hostPID"] is True
     assert agent["spec"]["containers"][0]["securityContext"] == {"privileged": True}
-    assert security(_host_pid(agent, "agent"))["Seccomp"] == "0"  # privileged: unconfined
+    assert security(container_pid(agent, "agent"))["Seccomp"] == "0"  # privileged: unconfined
     # The node tools the init container put on the node are the image's CRIU, with dynsnap's patches.
     criu = (env.paths.tools / "bin" / "criu").read_bytes()
     assert criu == OciImage.load(image_layout("dynsnap-agent")).read("usr/local/sbin/criu")

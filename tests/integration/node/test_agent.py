@@ -32,13 +32,12 @@ from agentenv import tcp_established
 from controllerenv import get_ws
 from realnodecycle import cycle, same_pod
 from realnodeenv import Env, deployed
-from realnodefacts import container_procs, kubelet_facts, stub_state
+from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.runtime import procfs
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import NodePod
@@ -66,20 +65,14 @@ async def _identity(env: Env, w: NodePod) -> dict[str, object]:
 
 async def _endpoint_ready(env: Env, w: NodePod) -> bool | None:
     """The worker's endpoint in its discovery EndpointSlices: ready, or None when it has none."""
-    slices = (await env.api.list(R.ENDPOINT_SLICES, namespace=w.namespace,
-                                 label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true"))["items"]
-    for s in slices:
-        for e in s.get("endpoints") or []:
-            if (e.get("targetRef") or {}).get("uid") == w.uid:
-                return bool((e.get("conditions") or {}).get("ready"))
-    return None
+    ep = await env.cluster.endpoint_of(w, label_selector=f"{P.LABEL_DISCOVERY_ENABLED}=true")
+    return None if ep is None else bool((ep.get("conditions") or {}).get("ready"))
 
 
-async def _endpoint_becomes(env: Env, w: NodePod, ready: bool) -> bool:
+async def _endpoint_becomes(env: Env, w: NodePod, ready: bool) -> None:
     async def reached() -> bool:
         return await _endpoint_ready(env, w) is ready
     await wait_for(f"{w.name}'s endpoint ready={ready}", reached, timeout=60, interval=0.25)
-    return True
 
 
 async def _service(env: Env) -> tuple[str, int]:
@@ -90,11 +83,7 @@ async def _service(env: Env) -> tuple[str, int]:
 async def _agent_root(env: Env) -> Path:
     """The agent container's root file system, seen from the host (/proc/<its PID 1>/root)."""
     (agent,) = await env.chart_pods("agent")
-    cid = next(c for c in agent["status"]["containerStatuses"] if c["name"] == "agent")["containerID"]
-    pids = [p for p in procfs.pod_pids(agent["metadata"]["uid"])
-            if any(cid.partition("://")[2] in c for c in procfs.cgroup_paths(p))]
-    assert pids, "no process of the agent's container"
-    return Path(f"/proc/{min(pids)}/root")
+    return Path(f"/proc/{container_pid(agent, 'agent')}/root")
 
 
 def _in_container(ep: int, path: str) -> bool:
@@ -156,8 +145,8 @@ async def test_a_worker_through_each_tier_and_back_is_the_same_worker(env: Env, 
         facts: dict[str, Obj] = {}
 
         async def while_asleep(ws: Obj) -> None:
-            assert await _endpoint_becomes(env, w, ready=False)
-            facts["ctl"] = json.loads((Path(f"/proc/{ep}/root") / "run/dynsnap/entrypoint.json").read_text())
+            await _endpoint_becomes(env, w, ready=False)
+            facts["ctl"] = control_file(ep)
             if tier == "suspend":
                 facts["driver"] = {"state": stub_state(env.driver, root)}
             else:
@@ -196,12 +185,12 @@ async def test_a_worker_through_each_tier_and_back_is_the_same_worker(env: Env, 
             assert [s["name"] for s in wake["steps"]] == ["wake", "restore", "resume", "settle-active"]
             assert not Path(st["image"]["path"]).exists()  # woken from and superseded: the secrets gone
         # The same worker: its identity, its endpoint, its connections, its log.
-        assert await _endpoint_becomes(env, w, ready=True)
+        await _endpoint_becomes(env, w, ready=True)
         assert await _identity(env, w) == before
         await same_pod(env, w, first)
         now = container_procs(w.uid, first.container_id)
         assert now.entrypoint == ep and stub_state(env.driver, now.root) == RUNNING
-        after = json.loads((Path(f"/proc/{ep}/root") / "run/dynsnap/entrypoint.json").read_text())
+        after = control_file(ep)
         assert after["state"] == "active" and after["worker_pid"] == ctl["worker_pid"], after  # in place
         # Still nothing of the agent's in the container, and nothing it handed CRIU held by the woken
         # pod's processes: no descriptor, working directory or mapping.

@@ -44,10 +44,6 @@ def _ctl_container(pod: Obj) -> Obj:
     return next(c for c in pod["status"].get("containerStatuses") or [] if c["name"] == "controller")
 
 
-def _ready(pod: Obj) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
-
-
 async def test_lease_lost_mid_wake_the_leader_exits_and_after_its_restart_verifies(env: Env) -> None:
     api = env.api
     (ctl,) = await env.chart_pods("controller")
@@ -119,7 +115,7 @@ async def _is(api: Kube, who: str) -> bool:
 
 
 async def _pod_ready(api: Kube, name: str) -> bool:
-    return _ready(await api.get(R.PODS, name, namespace=NS))
+    return chart_node.pod_ready(await api.get(R.PODS, name, namespace=NS))
 
 
 def _at(stamp: str) -> datetime:

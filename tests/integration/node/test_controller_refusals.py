@@ -28,15 +28,13 @@ answered 400, while the agent retried (the controller had set Suspended and coun
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from controllerenv import asleep, events_for, gate_of, get_ws, history, policy, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, edit_dgd
-from realnodefacts import container_procs, kubelet_facts
+from realnodefacts import container_procs, control_file, kubelet_facts
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -79,13 +77,6 @@ def graph(env: Env, name: str, spoil: Callable[[Obj], None]) -> Obj:
     worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     spoil(next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main"))
     return body
-
-
-async def control_file(env: Env, pod: NodePod) -> Obj:
-    """The worker's entrypoint.json, read through its entrypoint's /proc/<pid>/root."""
-    ep = container_procs(pod.uid, (await kubelet_facts(env.api, pod)).container_id).entrypoint
-    info: Obj = json.loads((Path(f"/proc/{ep}/root") / "run/dynsnap/entrypoint.json").read_text())
-    return info
 
 
 def record(ws: Obj | None) -> dict[str, Any]:
@@ -141,7 +132,8 @@ async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_
             assert ref["captureId"] == record(ws)["capture"]["id"] and record(ws)["capture"]["ok"] is False
             assert record(ws)["capture"]["error"]["reason"] == reason
             if reason == "PidReservationMissing":  # the entrypoint's own account; nothing was saved
-                info = await control_file(env, pod)
+                cid = (await kubelet_facts(env.api, pod)).container_id
+                info = control_file(container_procs(pod.uid, cid).entrypoint)
                 assert info["pid_reserved"] is False and info["state"] == "active", info
                 log = await env.pod_log(pod.namespace, pod.name, "main", tail=100000)
                 assert "PID RESERVATION FAILED" in log, log[:2000]
