@@ -6,10 +6,11 @@ overloaded or restarting API-server instance, a flaky network): 429 Too Many Req
 while its TCP connection stays up, a request held until the test lets it through. Everything
 that is not a fault is the real API server's own answer, byte for byte.
 
-Design (the simplest honest one found): an asyncio server on 127.0.0.1 that terminates TLS with
-the test PKI's serving certificate (its SANs include 127.0.0.1 and clients already trust the test
-CA, so a client is pointed at the proxy exactly as at the API server) and opens a new TLS
-connection to the real API server for every request. It reads each request's head, rewrites it
+Design (the simplest honest one found): an asyncio server on 127.0.0.1 (or the run's bridge
+gateway, for the real node's pods) that terminates TLS with the test PKI's serving certificate (its
+SANs include both, and clients already trust the test CA, so a client is pointed at the proxy
+exactly as at the API server) and opens a new TLS connection to the real API server for every
+request. It reads each request's head, rewrites it
 to ``Connection: close`` (the API server then ends the connection after its response, so the
 client's next request comes on a new connection where the proxy sees it again; with keep-alive
 later requests would slip past unseen), and forwards bytes both ways without parsing them:
@@ -104,9 +105,10 @@ def _is_watch(query: str) -> bool:
 class FakeApiProxy:
     upstream: str  # the real API server, https://host:port
     ca_cert: Path  # trusted for the upstream connection
-    serving_cert: Path  # presented to clients (SAN 127.0.0.1)
+    serving_cert: Path  # presented to clients (its SANs: 127.0.0.1 and the run's bridge gateway)
     serving_key: Path
-    port: int = 0  # 0: any free port on 127.0.0.1
+    port: int = 0  # 0: any free port on ``host``
+    host: str = "127.0.0.1"  # the run's bridge gateway: where the real node's pods reach the host
     faults: list[Fault] = field(default_factory=list, init=False)
     requests: list[Seen] = field(default_factory=list, init=False)
     stalled: int = field(default=0, init=False)  # requests currently held by a stall
@@ -118,15 +120,16 @@ class FakeApiProxy:
     _stall_began: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     @classmethod
-    def in_front_of(cls, cp: ControlPlane) -> FakeApiProxy:
-        """A proxy for the local control plane's API server, presenting its own serving certificate."""
+    def in_front_of(cls, cp: ControlPlane, host: str = "127.0.0.1") -> FakeApiProxy:
+        """A proxy for the local control plane's API server on ``host``, presenting its own serving
+        certificate."""
         assert cp.pki is not None and cp.url, "control plane not started"
         return cls(upstream=cp.url, ca_cert=cp.pki.ca_cert, serving_cert=cp.pki.serving_cert,
-                   serving_key=cp.pki.serving_key)
+                   serving_key=cp.pki.serving_key, host=host)
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.host}:{self.port}"
 
     async def start(self) -> FakeApiProxy:
         self._server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -137,7 +140,7 @@ class FakeApiProxy:
         up = urlsplit(self.upstream)
         assert up.hostname and up.port, self.upstream
         self._up_host, self._up_port = up.hostname, up.port
-        self._server = await asyncio.start_server(self._on_connect, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

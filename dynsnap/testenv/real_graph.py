@@ -103,11 +103,13 @@ class Engine:
 
     gib: float = 0.25
     kv_gib: float = 0.25
+    extra: tuple[str, ...] = ()  # more stub_engine flags (``--no-routes``, ``--fail-route sleep``, ...)
 
     def args(self, mode: str | None = None) -> list[str]:
         """Its command, in ``mode`` (``prefill``/``decode``; None: aggregated)."""
         return ["python3", "-m", "dynsnap.testenv.stub_engine", "--model-path", MODEL_DIR, "--model-name",
-                MODEL_NAME, "--mode", mode or "agg", "--gib", f"{self.gib:g}", "--kv-gib", f"{self.kv_gib:g}"]
+                MODEL_NAME, "--mode", mode or "agg", "--gib", f"{self.gib:g}", "--kv-gib", f"{self.kv_gib:g}",
+                *self.extra]
 
     def wire(self, spec: Obj, main: Obj, driver: StubDriver) -> None:
         spec.setdefault("volumes", []).append(
