@@ -5,7 +5,7 @@ for :class:`ModelCache`, which only keeps what the frontend said.
 Fail closed. Dynamo 1.6.1's frontend answers a request pinned (``x-dynamo-worker-instance-id`` /
 ``x-dynamo-prefill-instance-id``) to an instance it does not route to, whether the id is unknown
 or its endpoint went not ready, with exactly ``400 {"message":"Invalid request","type":"Bad
-Request","code":400}`` (observed on the local cluster: tests/integration/test_controller_quiesce.py
+Request","code":400}`` (observed on the local cluster: tests/integration/node/test_controller_quiesce.py
 waits for exactly this answer; its log says ``error_detail=invalid request parameters``). The
 controller's request is otherwise always the same valid one, so that answer means "not this
 instance". Only that answer counts as not routed; 200 is routed; anything else (404 model not found,

@@ -27,7 +27,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import NODES, LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.cluster import NODES, LocalCluster, wait_for
 from dynsnap.testenv.dynsnap_parts import CONTROLLER_SA, ControllerProc
 
 
@@ -234,7 +234,7 @@ async def own_instance(api: Kube, pod: PodRef) -> int | None:
 
 
 @contextlib.asynccontextmanager
-async def history(api: Kube, res: R.Resource, pod: RunningPod) -> AsyncIterator[list[Obj]]:
+async def history(api: Kube, res: R.Resource, pod: PodRef) -> AsyncIterator[list[Obj]]:
     """Every version of the object of kind ``res`` named after ``pod`` (the pod, its WorkerSnapshot)
     during the block, from a watch that starts at the version read first: a state that lasts one
     reconcile is not missed, as it can be between polls, nor one whose object is deleted right after.

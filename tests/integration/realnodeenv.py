@@ -29,8 +29,10 @@ __all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", 
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
-# long enough for any wake here (well under a second) and its verification.
-SHARED_VALUES: Obj = {"controller": {"wakeTimeout": 30}}
+# long enough for any wake here (well under a second) and its verification; the agent's bound on an
+# engine route short enough to wait out a route that hangs (node/test_engine_tier.py), long enough
+# for the stand-in engine's sleep and wake (a quarter of a GiB copied each way).
+SHARED_VALUES: Obj = {"controller": {"wakeTimeout": 30}, "agent": {"engineRouteTimeout": 6}}
 
 
 @contextlib.asynccontextmanager

@@ -1,7 +1,6 @@
 """What the wake-on-request suites check of a component whose workers all sleep, on the real node
-(node/test_wake_on_request.py) and in the sandboxes (test_wake_on_request_disagg.py): which
-WorkerSnapshot sleeps routable, every worker asleep with exactly one routable, and that one still in
-serving.
+(node/test_wake_on_request.py): which WorkerSnapshot sleeps routable, every worker asleep with exactly
+one routable, and that one still in serving.
 
 Not collected by pytest (no ``test_`` prefix).
 """
