@@ -220,17 +220,18 @@ def example_body(env: Env, *, policy: dict[str, str], example: Path = EXAMPLE, *
         memory_limit=WORKER_MEMORY_LIMIT, **overlay)
 
 
-async def deploy_example(env: Env, body: Obj, *, timeout: float = 240) -> real_graph.Graph:
+async def deploy_example(env: Env, body: Obj, *, timeout: float = 240, ready: bool = True) -> real_graph.Graph:
     """Deploy ``body`` on the node; returns once every pod of it is Ready (the controller sets each
-    new worker's serving gate, then the probes make them Ready) and its frontend lists the model;
-    the graph and its frontend's client are ``env.graph`` and ``env.fe``."""
+    new worker's serving gate, then the probes make them Ready) and its frontend lists the model
+    (``ready=False``: once every pod has its IP, for a graph the controller must not serve); the
+    graph and its frontend's client are ``env.graph`` and ``env.fe``."""
     # The stand-in driver's state of earlier graphs' deleted pods goes first (the real driver's went
     # with their processes): a new pod whose pid namespace reuses an inode must not inherit it.
     env.driver.forget_dead_namespaces()
     graph = await real_graph.deploy(env.api, body, node=env.node.name)
     env.graphs.append(graph)
     env.graph = graph
-    pods = [p for ps in graph.pods.values() for p in ps]
+    pods = [p for ps in graph.pods.values() for p in ps] if ready else []
     try:
         await asyncio.gather(*(env.cluster.wait_ready(p.namespace, p.name, timeout=timeout) for p in pods))
     except TimeoutError:
@@ -242,7 +243,8 @@ async def deploy_example(env: Env, body: Obj, *, timeout: float = 240) -> real_g
     if env.fe is not None:
         await env.fe.close()
     env.fe = D.FrontendClient(graph.frontend, timeout=120.0)
-    await env.fe.wait_model(timeout=120)
+    if ready:
+        await env.fe.wait_model(timeout=120)
     return graph
 
 

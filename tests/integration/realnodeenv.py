@@ -60,10 +60,10 @@ async def running(cluster: LocalCluster, work_root: Path, *, tier: str) -> Async
 
 
 @contextlib.asynccontextmanager
-async def deployed(env: Env, body: Obj) -> AsyncIterator[real_graph.Graph]:
-    """One test's graph: deployed Ready (chart_node.deploy_example), deleted with its pods after; if the
-    test fails, its pods' logs are printed first (kubelet deletes them with the pods)."""
-    graph = await chart_node.deploy_example(env, body)
+async def deployed(env: Env, body: Obj, *, ready: bool = True) -> AsyncIterator[real_graph.Graph]:
+    """One test's graph: deployed Ready (chart_node.deploy_example; ``ready=False``: running), deleted with
+    its pods after; if the test fails, its pods' logs are printed first (kubelet deletes them with the pods)."""
+    graph = await chart_node.deploy_example(env, body, ready=ready)
     try:
         yield graph
     except BaseException:

@@ -2,10 +2,9 @@
 Event or condition that says why and by the final state of the pods, WorkerSnapshots, images and
 serving gates.
 
-1. Bad ``dynsnap.io/`` annotations, on the DGD and on a component: a Warning Event ``InvalidPolicy``
-   naming key, value and why, ``PolicyValid=False`` with that message on existing WorkerSnapshots,
-   and nothing else changes (no WorkerSnapshot for a graph never valid, no desiredState change, no
-   serving gate flipped, though the workers are idle past ``idle-after``); fixed, it carries on.
+1. A bad annotation while a worker is drained for a capture: the capture is called off and the worker
+   returns to serving, verified (bad annotations on a serving graph and on a graph never valid run
+   on the real node: node/test_controller_policy.py).
 2. The DGD deleted while a worker is being captured, then while a worker sleeps: pods and
    WorkerSnapshots go (garbage collector), the agents delete the gone pods' images, nothing is left
    running for them, and the controller serves the next graph.
@@ -22,9 +21,9 @@ stands in for a troubled hop to the API server: it holds the controller at one s
 (by answering the write of the next step 503, so each retry fails there) and answers its watches
 410. Every wait is bounded; no test asserts a duration.
 
-Sandbox, why: the controller reaches the API server through fake_apiproxy on 127.0.0.1 (held writes,
-410 watches), which the chart's controller pod cannot reach; not yet moved (the real node's own
-faults are test_real_node_faults.py).
+Sandbox, why: each case holds the controller at a step through fake_apiproxy (a refused write, 410
+watches) or holds CRIU's exit in the agent (fake_held_criu), and the chart's pods are not yet held that
+way (fake_apiproxy can listen on the bridge gateway now, as node/test_controller_quiesce.py uses it).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
+from datetime import datetime
 
 import pytest
 import yaml
@@ -93,22 +92,6 @@ async def env(cluster: LocalCluster, request: pytest.FixtureRequest) -> AsyncIte
 
 # -- shared checks ----------------------------------------------------------------------------------------------
 
-def _since(ts: str) -> float:
-    return (datetime.now(UTC) - datetime.fromisoformat(ts)).total_seconds()
-
-
-def idle_past(seconds: float) -> Callable[[Obj | None], bool]:
-    """Active, PolicyValid=True, and idle (nothing in flight, no activity) for more than ``seconds``
-    by the agent's idle facts."""
-    def check(ws: Obj | None) -> bool:
-        st = (ws or {}).get("status") or {}
-        idle = st.get("idle") or {}
-        c = cond(ws, "PolicyValid")
-        return bool(st.get("state") == "Active" and c and c["status"] == "True" and idle.get("idleSince")
-                    and not idle.get("inflight") and _since(idle["idleSince"]) > seconds)
-    return check
-
-
 def serving(ws: Obj | None) -> bool:
     """Awake and not in the middle of anything: Active wanted and observed, no quiesce open, and the
     last return from a quiesce (if any) verified."""
@@ -137,143 +120,11 @@ async def _in_serving(env: Env, pod: RunningPod) -> None:
         raise
 
 
-async def _count(env: Env, g: Deployed, check: Callable[[Obj | None], bool]) -> int:
-    return sum([check(await get_ws(env.api, p)) for p in g.workers])
-
-
-# -- 1. bad annotations ---------------------------------------------------------------------------------------------
-
-# (where, key, bad value, a part of the why the message must give)
-BAD = [
-    ("component", P.ANN_MIN_ACTIVE, "0", "must be at least 1: a model with no live worker disappears from the "
-     "frontend and answers 404"),
-    ("dgd", P.ANN_IDLE_AFTER, "soon", "not a duration"),
-    ("dgd", P.ANN_TIER, "deep", "must be one of suspend, snapshot"),
-    ("component", "dynsnap.io/min-actve", "1", "unknown dynsnap.io/ annotation"),
-]
-
-
 def _policy_invalid(problem: str) -> Callable[[Obj | None], bool]:
     def check(ws: Obj | None) -> bool:
         c = cond(ws, "PolicyValid")
         return bool(c and c["status"] == "False" and problem in c["message"])
     return check
-
-
-async def _invalid_policy_event(env: Env, g: Deployed, problem: str, why: str) -> Obj:
-    async def find() -> Obj | None:
-        evs = await events(env.api, g.namespace, name=g.name, kind="DynamoGraphDeployment", reason="InvalidPolicy")
-        return next((e for e in evs if problem in e.get("note", "")), None)
-    ev: Obj = await eventually(f"Event InvalidPolicy on DGD {g.name} naming {problem}", find, timeout=60)
-    assert ev["type"] == "Warning" and why in ev["note"] and "component worker" in ev["note"], ev
-    assert "nothing new is decided until it is fixed" in ev["note"], ev
-    return ev
-
-
-async def test_bad_annotations_on_a_serving_graph_change_nothing_until_fixed(env: Env) -> None:
-    """Each bad value in turn (component min-active 0, DGD idle-after soon, DGD tier deep, a misspelt
-    component key) while both workers are idle past idle-after: an Event and PolicyValid=False say
-    which key, value and why; no spec, gate or quiesce moves (with a valid policy of the same keys and
-    defaults one worker would be captured at once). Fixed, the worker beyond min-active is captured."""
-    dgd_ann, comp_ann = standard(idle_after="2s")
-    good = {**comp_ann, P.ANN_MIN_ACTIVE: "2"}  # both stay awake until the policy is fixed to min-active 1
-    g = await deploy(env, graph_body("badpol", env.driver, dgd=dgd_ann, worker=good))
-    try:
-        for p in g.workers:
-            await wait_ws(env, p, "Active, PolicyValid=True, idle past idle-after", idle_past(3.0))
-        before = {p.name: await get_ws(env.api, p) for p in g.workers}
-        prev: tuple[str, str] | None = None
-        for where, key, value, why in BAD:
-            dgd_edit: dict[str, str | None] = {}
-            comp_edit: dict[str, str | None] = {}
-            if prev is not None:  # the row before's key back to its good value (or away)
-                pwhere, pkey = prev
-                (dgd_edit if pwhere == "dgd" else comp_edit)[pkey] = (dgd_ann if pwhere == "dgd" else good).get(pkey)
-            (dgd_edit if where == "dgd" else comp_edit)[key] = value
-            await edit_annotations(env.api, g, dgd=dgd_edit, component=comp_edit)
-            problem = f"{key}={value!r}: {why}"
-            for p in g.workers:
-                ws = await wait_ws(env, p, f"PolicyValid=False naming {key}", _policy_invalid(problem), timeout=60)
-                c = cond(ws, "PolicyValid")
-                assert c is not None and c["reason"] == "InvalidPolicy", c
-                assert c["message"].startswith("component worker: ") and "nothing new is decided" in c["message"], c
-                _unchanged(ws, before[p.name])
-                assert _since(ws["status"]["idle"]["idleSince"]) > 2.0  # idle past idle-after: would be captured
-                await _in_serving(env, p)
-            await _invalid_policy_event(env, g, problem, why)
-            prev = (where, key)
-        # Fixed: the misspelt key removed and min-active 1: the policy is valid again and one worker sleeps.
-        assert prev is not None
-        await edit_annotations(env.api, g, component={prev[1]: None, P.ANN_MIN_ACTIVE: "1"})
-        for p in g.workers:
-            ws = await wait_ws(env, p, "PolicyValid=True", lambda ws: bool((c := cond(ws, "PolicyValid"))
-                                                                            and c["status"] == "True"))
-            assert cond(ws, "PolicyValid")["reason"] == "PolicyValid"  # type: ignore[index]
-
-        async def one_asleep() -> bool:
-            return await _count(env, g, suspended) == 1
-        await eventually("captured down to min-active 1", one_asleep, timeout=120)
-        awake = [p for p in g.workers if not suspended(await get_ws(env.api, p))]
-        assert len(awake) == 1
-        await _in_serving(env, awake[0])
-    finally:
-        await undeploy(env, g)
-
-
-def _unchanged(ws: Obj, before: Obj | None) -> None:
-    """Nothing the controller decides moved: same spec (and generation), no quiesce opened, no wake,
-    no trace started, the agent's state Active."""
-    assert before is not None
-    assert ws["metadata"]["generation"] == before["metadata"]["generation"], "the spec was written"
-    assert ws["spec"] == before["spec"] and ws["spec"]["desiredState"] == "Active", ws["spec"]
-    assert (ws["metadata"].get("annotations") or {}).get(P.ANN_TRACEPARENT) == \
-        (before["metadata"].get("annotations") or {}).get(P.ANN_TRACEPARENT)
-    rec, was = record(ws), record(before)
-    assert rec.get("quiesce") == was.get("quiesce") is None and rec.get("identity") == was.get("identity"), rec
-    assert ws["status"]["state"] == "Active" and not ws["status"].get("lastCapture"), ws["status"]
-
-
-def _valid_for(pod: RunningPod) -> Callable[[Obj | None], bool]:
-    def check(ws: Obj | None) -> bool:
-        c = cond(ws, "PolicyValid")
-        return bool(ws and ws["spec"]["podUID"] == pod.uid and c and c["status"] == "True")
-    return check
-
-
-async def test_graph_never_valid_gets_no_workersnapshot_and_no_gate_until_fixed(env: Env) -> None:
-    """A graph whose component carries a misspelt key from the start: the Event names it; no
-    WorkerSnapshot is created and no serving gate is set (the workers' containers are ready, only
-    the gate keeps them out). Fixed, the controller takes the graph up from scratch."""
-    dgd_ann, comp_ann = standard(idle_after="2s")
-    typo = "dynsnap.io/min-actve"
-    g = await deploy(env, graph_body("neverpol", env.driver, dgd=dgd_ann, worker={**comp_ann, typo: "1"}), ready=False)
-    try:
-        problem = f"{typo}='1': unknown dynsnap.io/ annotation"
-        await _invalid_policy_event(env, g, problem, "unknown dynsnap.io/ annotation")
-        for p in g.workers:
-            # Not a single read: kwok's provisional Ready=True stands until the stub kubelet's first write.
-            async def held_by_the_gate(p: RunningPod = p) -> bool:
-                live = await get_pod(env.api, p)
-                return pod_condition(live, "ContainersReady") == "True" and pod_condition(live, "Ready") == "False"
-            await eventually(f"{p.name}: containers ready, the pod not Ready", held_by_the_gate, timeout=120)
-        for p in g.workers:
-            assert await get_ws(env.api, p) is None, f"{p.name}: a WorkerSnapshot for a graph never valid"
-            live = await get_pod(env.api, p)
-            assert pod_condition(live, P.CONDITION_SERVING) is None and pod_condition(live, "Ready") == "False", (
-                (live or {}).get("status"))
-        await edit_annotations(env.api, g, component={typo: None})
-        for p in g.workers:
-            ws = await wait_ws(env, p, "a WorkerSnapshot for it, PolicyValid=True", _valid_for(p))
-            assert ws["spec"]["desiredState"] in ("Active", "Suspended")
-
-        async def one_asleep() -> bool:
-            return await _count(env, g, suspended) == 1
-        await eventually("captured down to min-active 1", one_asleep, timeout=180)
-        awake = [p for p in g.workers if not suspended(await get_ws(env.api, p))]
-        assert len(awake) == 1
-        await _in_serving(env, awake[0])
-    finally:
-        await undeploy(env, g)
 
 
 # -- 2. the DGD deleted mid-cycle --------------------------------------------------------------------------------
