@@ -201,7 +201,7 @@ MUTATIONS = (
         "engine-routes-not-probed", "a worker whose engine has no sleep routes is quiesced for tier engine anyway",
         CAPTURE_STEPS,
         "        c.info[\"engine\"] = {\"routes\": await G.probe(ex, c)}\n",
-        "",
+        "        c.info[\"engine\"] = {\"routes\": None}\n",
         tests=[ENGINE_NO_ROUTES]),
     mutation(
         "engine-error-answer-ok", "an engine's error answer to its route is taken for done", ENGINE_ROUTES,

@@ -221,8 +221,8 @@ MUTATIONS = (
     mutation(
         "plan-below-min-active", "the planner lets the serving workers drop below what is needed "
         "(`ready - 1 >= need` -> `ready >= need`)", PLAN,
-        "        if w.phase == Phase.SERVING and ready - 1 >= need:\n",
-        "        if w.phase == Phase.SERVING and ready >= need:\n",
+        "        elif w.phase == Phase.SERVING and ready - 1 >= need:\n",
+        "        elif w.phase == Phase.SERVING and ready >= need:\n",
         tests=[PLAN_UNIT + "test_idle_serving_workers_sleep_down_to_min_active_never_below"],
         modules=["dynsnap.controller.plan"]),
     mutation(
