@@ -252,14 +252,16 @@ async def test_pod_recreated_while_asleep_is_served_cold_never_given_the_old_cap
         assert ws["metadata"]["uid"] != old_ws["metadata"]["uid"]
 
         await _images_collected(env, old)
-        # Served (cold): its own DWM, and requests pinned to it answered by it; its gate set, Ready.
+        # Served (cold): its gate set and Ready (first: kwok's provisional Ready=True can stand until the stub
+        # kubelet's first status write, which takes the endpoint away again), its own DWM, and requests
+        # pinned to it answered by it.
+        await _in_serving(env, new)
         iid: int = await eventually("the new pod's DWM, owned by it, with its instance id",
                                     lambda: own_instance(env.api, new), timeout=60)
         await g.fe.wait_routable(iid)
         for i in range(3):
             res = await g.fe.chat(f"cold {i}", worker_id=iid, max_tokens=2)
             assert res.status == 200 and res.worker_id == iid, res.body
-        await _in_serving(env, new)
         # Cold: never captured, woken, restored or verified; its GPU process never restored.
         cold = await get_ws(env.api, new)
         assert cold is not None and cold["spec"]["desiredState"] == "Active", cold
