@@ -20,12 +20,13 @@ from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env, upgrade
 from dynsnap.testenv.cluster import LocalCluster
 
 __all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "component_policy",
-           "deployed", "edit_dgd", "installed", "running", "upgrade"]
+           "deployed", "edit_dgd", "installed", "instance_id", "running", "upgrade"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -137,3 +138,8 @@ async def edit_dgd(env: Env, graph: real_graph.Graph, change: Callable[[Obj], No
         except Conflict:
             continue
     raise AssertionError("10 conflicting DGD writes in a row")
+
+
+async def instance_id(env: Env, pod: real_graph.NodePod) -> int:
+    """The worker's Dynamo instance id, from its DWM."""
+    return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from controllerenv import Load, asleep, events_for, get_ws, policy, verified_after, wait_ws
-from realnodeenv import Env, ServingLooks, component_policy, deployed
+from realnodeenv import Env, ServingLooks, component_policy, deployed, instance_id
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -48,10 +48,6 @@ def status_fields_of(ws: Obj, manager: str) -> Obj:
     return owned
 
 
-async def _iid(env: Env, pod: NodePod) -> int:
-    return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
-
-
 def verified_or_failing(since: str | None) -> Any:
     """verified_after(since), and a failed verification of that wake fails the wait at once."""
     ok = verified_after(since)
@@ -76,7 +72,7 @@ async def test_prefill_and_decode_each_sleep_to_min_active_and_wake_verified_wit
         env: Env, tier: str) -> None:
     async with deployed(env, graph(env, tier)) as g:
         assert env.fe is not None
-        ids = {p.name: await _iid(env, p) for role in ROLES for p in g.workers(role)}
+        ids = {p.name: await instance_id(env, p) for role in ROLES for p in g.workers(role)}
         prefill_ids = {ids[p.name] for p in g.workers("prefill")}
         first = {p.name: await kubelet_facts(env.api, p) for role in ROLES for p in g.workers(role)}
 

@@ -41,18 +41,17 @@ from urllib.parse import urlsplit
 import pytest
 from controllerenv import asleep, events_for, get_ws, history, policy, verified_after
 from fake_held_link import HeldLink
-from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, upgrade
+from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, instance_id, upgrade
 from realnodefacts import container_pid
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.runtime import procfs
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy, Fault
-from dynsnap.testenv.real_graph import NodePod
+from dynsnap.testenv.real_graph import Graph, NodePod
 
 pytestmark = pytest.mark.cluster
 
@@ -155,27 +154,22 @@ async def captured_after_all_steps(env: Env, pod: NodePod) -> None:
     assert q.get("ok") is True and [s["name"] for s in q["steps"]] == ALL_STEPS, q
 
 
-async def _iid(env: Env, pod: NodePod) -> int:
-    return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
-
-
-async def _both_routable(env: Env, pods: list[NodePod]) -> None:
+async def _first_of_both_routable(env: Env, g: Graph) -> tuple[NodePod, int]:
+    """The graph's first worker and its instance id, once the frontend routes to both workers."""
     assert env.fe is not None
+    pods = g.workers(WORKER_COMPONENT)
     for p in pods:
-        await env.fe.wait_routable(await _iid(env, p))
+        await env.fe.wait_routable(await instance_id(env, p))
+    return pods[0], await instance_id(env, pods[0])
 
 
 async def test_no_capture_while_the_controller_still_sees_the_endpoint_ready(env: Env, proxy: FakeApiProxy) -> None:
     async with deployed(env, graph(env, "quiesce-slices")) as g:
-        assert env.fe is not None
-        pods = g.workers(WORKER_COMPONENT)
-        pod = pods[0]
-        wid = await _iid(env, pod)
+        pod, wid = await _first_of_both_routable(env, g)
         # The controller's view of EndpointSlices first catches up with both endpoints ready (as the API
         # server has them), then stops there: its connections are cut, its next watch is answered 410
         # (so it lists afresh) and the one after goes silent.
-        await _both_routable(env, pods)
-        for p in pods:
+        for p in g.workers(WORKER_COMPONENT):
             await wait_for(f"{p.name}'s endpoint ready", lambda p=p: endpoint_ready(env, p), timeout=60)
         proxy.add(Fault("respond", path_contains="/endpointslices", watch=True, status=410))
         proxy.add(Fault("silent_after", path_contains="/endpointslices", watch=True, times=None))
@@ -213,11 +207,8 @@ async def test_no_capture_while_the_frontend_still_routes_to_the_worker(env: Env
     assert up.hostname and up.port
     async with HeldLink(env.cluster.net.gateway, (up.hostname, up.port)) as link, deployed(
             env, graph(env, "quiesce-routing", _api_server_env(link.host, link.port))) as g:
+        pod, wid = await _first_of_both_routable(env, g)
         assert env.fe is not None
-        pods = g.workers(WORKER_COMPONENT)
-        pod = pods[0]
-        wid = await _iid(env, pod)
-        await _both_routable(env, pods)
         link.hold()  # the frontend's view of endpoints stops here
         try:
             async with history(env.api, R.WORKER_SNAPSHOTS, pod) as wss:
@@ -261,11 +252,8 @@ def counted(events: list[Obj], reason: str) -> int:
 
 async def test_no_capture_while_the_frontend_cannot_say_it_stopped_routing(env: Env, proxy: FakeApiProxy) -> None:
     async with deployed(env, graph(env, "quiesce-fe-down")) as g:
+        pod, wid = await _first_of_both_routable(env, g)
         assert env.fe is not None
-        pods = g.workers(WORKER_COMPONENT)
-        pod = pods[0]
-        wid = await _iid(env, pod)
-        await _both_routable(env, pods)
         async with history(env.api, R.WORKER_SNAPSHOTS, pod) as wss:
             # One whole cycle first (captured, woken, verified): the controller has the graph's model
             # from the frontend, so below it does ask the frontend about the worker itself.

@@ -31,14 +31,13 @@ import time
 import pytest
 from controllerenv import asleep, events_for, get_ws, policy, verified_after, wait_ws
 from helperprocs import Helper, helpers_for
-from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed
+from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, instance_id
 from realnodefacts import container_procs
 from routablecheck import all_asleep, in_serving, routable
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.runtime import procfs
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
@@ -68,16 +67,12 @@ async def _in_serving(env: Env, pod: NodePod) -> None:
     await in_serving(env.cluster, env.fe, pod)
 
 
-async def _iid(env: Env, pod: NodePod) -> int:
-    return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
-
-
 async def _reference(env: Env, g: Graph, component: str = WORKER_COMPONENT) -> str:
     """The text every worker gives for PROMPT while awake (the engine is deterministic, one seed)."""
     assert env.fe is not None
     texts = set()
     for p in g.workers(component):
-        wid = await _iid(env, p)
+        wid = await instance_id(env, p)
         await env.fe.wait_routable(wid)
         r = await env.fe.chat(PROMPT, worker_id=wid)
         assert r.status == 200, r.body
@@ -94,7 +89,7 @@ async def _wake_by_one_request(env: Env, pod: NodePod, reference: str) -> Obj:
     r = await env.fe.chat(PROMPT)
     assert r.status == 200, r.body
     assert r.text == reference
-    assert r.worker_id == await _iid(env, pod), (r.worker_id, pod.name)
+    assert r.worker_id == await instance_id(env, pod), (r.worker_id, pod.name)
     ws = await wait_ws(env, pod, "its wake on request verified", verified_after(before), timeout=120)
     wake = ws["status"]["lastWake"]
     assert wake["trigger"] == "request" and wake["ok"] is True, wake
@@ -144,7 +139,7 @@ async def test_a_disaggregated_graph_sleeps_both_roles_routable_and_one_request_
     async with deployed(env, disagg(env)) as g:
         assert env.fe is not None
         pre, dec = g.workers("prefill")[0], g.workers("decode")[0]
-        ids = {p.name: await _iid(env, p) for p in (pre, dec)}
+        ids = {p.name: await instance_id(env, p) for p in (pre, dec)}
         await env.fe.wait_routable(ids[dec.name], prefill_id=ids[pre.name])
         reference = (await env.fe.chat(PROMPT, worker_id=ids[dec.name], prefill_id=ids[pre.name])).text
         assert reference
@@ -255,7 +250,7 @@ async def test_a_request_that_arrives_during_the_last_workers_save_waits_and_is_
         last: NodePod = await wait_for("the routable save under way", saving, timeout=180, interval=0.1)
         r = await env.fe.chat(PROMPT)  # sent while the driver holds the save
         assert r.status == 200 and r.text == reference, r.body
-        assert r.worker_id == await _iid(env, last)
+        assert r.worker_id == await instance_id(env, last)
         env.driver.clear_faults()
 
 
@@ -268,7 +263,7 @@ async def test_two_requests_at_once_wake_one_worker_not_two(env: Env) -> None:
         other_wake = ((await get_ws(env.api, other)) or {})["status"].get("lastWake", {}).get("id")
         answers = await asyncio.gather(env.fe.chat(PROMPT), env.fe.chat(PROMPT))
         assert all(a.status == 200 and a.text == reference for a in answers), [a.body for a in answers]
-        assert {a.worker_id for a in answers} == {await _iid(env, last)}
+        assert {a.worker_id for a in answers} == {await instance_id(env, last)}
         woke = await wait_ws(env, last, "its wake verified", verified_after(None), timeout=120)
         assert woke["status"]["lastWake"]["trigger"] == "request", woke["status"]["lastWake"]
         ws = await get_ws(env.api, other)
