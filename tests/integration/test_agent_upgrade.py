@@ -11,7 +11,7 @@ IP) and a request pinned to it is answered by it.
 
 Sandbox, why: the next release's agent is fake_next_agent, a process; on the real node it would be a
 second agent image, not built here (the chart's own agent upgrade under a sleeping worker is
-test_real_node_faults.py).
+node/test_long_sleep.py).
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ serving or restorable and what happened said by a condition and an Event:
   /proc once the pod is gone, and the next agent's record must say what it found (here it never
   does outlive it: the stopping agent kills the helpers it runs, and containerd what is left in the
   cgroup of a container in the host's pid namespace);
-- a sleep of six minutes under Dynamo's own liveness settings (the example's: /live every 5 s,
-  failureThreshold 1), through a ``helm upgrade`` of the agent (its DaemonSet rolls the pod): no
-  liveness failure, no restart, the same container all along, and the wake done by the new agent;
 - ``kubectl delete pod`` of a sleeping worker: kubelet stops it, the operator's stand-in recreates
   the pod of the same name (a new UID), the old captures are deleted and nothing is restored into the
   new pod, which starts cold and serves.
+
+The sleep of six minutes under Dynamo's own liveness settings and through a ``helm upgrade`` of the
+agent is node/test_long_sleep.py: it sleeps while the other suites of tests/integration/node run.
 
 The stub driver (the GPU driver's stand-in, as everywhere off the GPU machine) holds the save or the
 resume call so that the agent is deleted while it is in flight: the one fault made on demand here.
@@ -21,8 +21,6 @@ resume call so that the agent is deleted while it is in flight: the one fault ma
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
@@ -31,9 +29,9 @@ from pathlib import Path
 import pytest
 from controllerenv import asleep, cond, events_for, get_ws, own_instance, verified_after
 from helperprocs import Helper, helpers_for
-from realnodecycle import cycle, override, same_pod, set_tier, trickle, wait_ws
-from realnodeenv import NS, WORKER_COMPONENT, Env, running, upgrade
-from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
+from realnodecycle import override, same_pod, set_tier, trickle, wait_ws
+from realnodeenv import NS, WORKER_COMPONENT, Env, running
+from realnodefacts import container_procs, kubelet_facts, stub_state
 from restart_faults import unhang
 
 from dynsnap.k8s.client import Obj
@@ -50,8 +48,6 @@ pytestmark = pytest.mark.cluster
 # The driver holds the call at most this long (it is let go once the old agent pod is gone): the pod is
 # deleted and its container stopped inside it (the chart's grace is 30 s; the agent stops at once on SIGTERM).
 HANG_MS = 30000
-ASLEEP_S = 360.0  # six minutes
-LIVENESS = {"periodSeconds": 5, "failureThreshold": 1}  # Dynamo's, as examples/dgd/agg.yaml ships them
 RUNNING, LOCKED, CHECKPOINTED = 0, 1, 2  # the stub driver's states
 
 
@@ -212,60 +208,6 @@ async def test_agent_pod_deleted_mid_wake_the_next_agent_pod_finishes_it(env: En
         assert not Path(slept["status"]["image"]["path"]).exists()  # the capture restored, then deleted
     finally:
         env.driver.clear_faults()
-
-
-async def test_six_minutes_asleep_under_dynamos_liveness_settings_through_a_helm_upgrade(env: Env) -> None:
-    """Tier snapshot, six minutes asleep with the example's liveness probe (/live on the entrypoint every
-    5 s, failureThreshold 1: one failed probe restarts the container): ``helm upgrade`` of the agent in
-    the first minute rolls its pod; every 5 s kubelet still reports the same container, running, never
-    restarted, not Ready (the gate); no liveness failure and no kill in the pod's Events; the WorkerSnapshot
-    keeps its capture; then the next agent wakes it in place, verified."""
-    assert env.graph is not None
-    w = _worker(env)
-    example = next(c for c in env.graph.dgd["spec"]["components"] if c["name"] == WORKER_COMPONENT)
-    main = next(c for c in example["podTemplate"]["spec"]["containers"] if c["name"] == "main")
-    assert {k: main["livenessProbe"][k] for k in LIVENESS} == LIVENESS
-    await set_tier(env, w, "snapshot")
-    first = await kubelet_facts(env.api, w)
-    ep = container_procs(w.uid, first.container_id).entrypoint
-    looks: list[KubeletFacts] = []
-    agents: list[str] = []
-
-    async def six_minutes(slept: Obj) -> None:
-        t0 = time.monotonic()
-        old = await _agent_pod(env)
-        values = copy.deepcopy(env.values)
-        values["agent"].setdefault("podAnnotations", {})["dynsnap.test/upgraded"] = "1"
-        await upgrade(env, values)
-        new = await _agent_pod(env)
-        assert new["metadata"]["uid"] != old["metadata"]["uid"], "helm upgrade rolled the agent's pod"
-        agents.append(new["metadata"]["name"])
-        for _ in range(200):  # every 5 s for six minutes (bounded)
-            if time.monotonic() - t0 >= ASLEEP_S:
-                break
-            now = await kubelet_facts(env.api, w)
-            looks.append(now)
-            assert (now.container_id, now.restart_count, now.running, now.ready) == (
-                first.container_id, first.restart_count, True, False), now
-            assert procfs.status(ep) is not None, "the container's PID 1 is the same process"
-            ws = await get_ws(env.api, w)
-            assert asleep(ws) and ws is not None and ws["status"]["lastCapture"]["id"] == \
-                slept["status"]["lastCapture"]["id"]
-            await asyncio.sleep(5)
-        assert time.monotonic() - t0 >= ASLEEP_S
-
-    async with trickle(env):
-        await cycle(env, w, "snapshot", six_minutes)
-    await same_pod(env, w, first)
-    killed = [e for e in await events_for(env.api, w.namespace, w.name)
-              if (e.get("regarding") or {}).get("uid") == w.uid
-              and (e.get("reason") == "Killing" or "Liveness probe failed" in (e.get("note") or ""))]
-    assert not killed, killed
-    print(f"\nasleep {ASLEEP_S:.0f} s under /live every 5 s: {len(looks)} looks, the same container, restartCount "
-          f"{first.restart_count}; woken by {agents[0]}")
-    now_agent = await _agent_pod(env)  # the node's only agent since the upgrade: the wake was its own
-    assert now_agent["metadata"]["name"] == agents[0] and now_agent["status"]["containerStatuses"][0][
-        "restartCount"] == 0, now_agent["status"]
 
 
 async def _replaced_event(env: Env, new: NodePod) -> Obj | None:

@@ -9,6 +9,10 @@ The chart values are the tests' (chart_node.chart_values) and realnodeenv.SHARED
 tests read where they depend on them (the controller's wake timeout), and both components'
 ``otlpEndpoint``: the package's OTLP receiver (``otlp``, otlp_collector.py) on the host's address on
 the run's bridge, where the chart's pods send their traces as they would to a user's collector.
+
+The long sleep (longsleep.py, ``long_sleep``) starts with the package's first test when
+node/test_long_sleep.py is selected, and that test runs last: one worker of a graph of its own sleeps
+while the other suites use the node.
 """
 
 from __future__ import annotations
@@ -21,12 +25,27 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # controllerenv, realnodeenv, ...
 
+from longsleep import LongSleep, sleeping
 from otlp_collector import Collector, collecting
 from realnodeenv import SHARED_VALUES, Env, installed
 
 from dynsnap.testenv.cluster import LocalCluster
 
-GPUS = 4  # the most workers one test runs at once (the disaggregated graph: 2 prefill, 2 decode)
+# The most workers one test runs at once (the disaggregated graph: 2 prefill, 2 decode), and the long
+# sleep's graph (2 workers) beside it.
+GPUS = 6
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The package's tests marked ``last_in_package`` (node/test_long_sleep.py) after its others."""
+    mine = [i for i in items if HERE in i.path.parents]
+    last = [i for i in mine if i.get_closest_marker("last_in_package")]
+    if not last or len(last) == len(mine):
+        return
+    rest = [i for i in items if i not in last]
+    at = max(rest.index(i) for i in mine if i not in last) + 1
+    items[:] = [*rest[:at], *last, *rest[at:]]
 
 
 @pytest.fixture(scope="package")
@@ -43,3 +62,16 @@ async def env(cluster: LocalCluster, otlp: Collector, tmp_path_factory: pytest.T
     async with installed(cluster, Path(tmp_path_factory.mktemp("real-node-suites")), gpus=GPUS,
                          values=values) as e:
         yield e
+
+
+@pytest.fixture(scope="package")
+async def long_sleep(env: Env) -> AsyncIterator[LongSleep]:
+    async with sleeping(env) as s:
+        yield s
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _long_sleep_from_the_start(request: pytest.FixtureRequest) -> None:
+    """With the package's first test, the long sleep starts when a selected test uses it (longsleep.py)."""
+    if any("long_sleep" in getattr(i, "fixturenames", ()) for i in request.session.items):
+        request.getfixturevalue("long_sleep")

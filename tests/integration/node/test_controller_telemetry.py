@@ -125,9 +125,12 @@ async def test_capture_and_wake_are_one_trace_each_sent_to_the_collector_and_cou
         after = await _metrics(env)
         for series in (OK_CAPTURE, OK_WAKE, VERIFIED):
             assert after(series) >= before(series) + 1, (series, before(series), after(series))
-        async def two_workers() -> bool:  # the gauge is this graph's two (earlier graphs' gone with them)
+        async def every_worker() -> bool:  # this graph's two and the long sleep's (earlier graphs' gone with them)
             now = await _metrics(env)
-            return now('dynsnap_workers{state="Suspended"}') + now('dynsnap_workers{state="Active"}') == 2
-        await wait_for("dynsnap_workers counting this graph's two workers", two_workers, timeout=30, interval=1)
+            managed = len((await env.api.list(R.WORKER_SNAPSHOTS))["items"])
+            return managed >= 2 and now('dynsnap_workers{state="Suspended"}') + now(
+                'dynsnap_workers{state="Active"}') == managed
+        await wait_for("dynsnap_workers counting every worker the controller manages", every_worker, timeout=30,
+                       interval=1)
         for series in (RECONCILES, PATCHES):
             assert after(series) > before(series), series
