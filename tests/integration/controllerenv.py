@@ -29,6 +29,7 @@ from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import NODES, LocalCluster, wait_for
 from dynsnap.testenv.dynsnap_parts import CONTROLLER_SA, ControllerProc
+from dynsnap.testenv.fake_apiproxy import FakeApiProxy, Fault
 
 
 def policy(**kw: Any) -> dict[str, str]:
@@ -196,7 +197,7 @@ def verified_after(since: str | None) -> Callable[[Obj | None], bool]:
 
 
 class HasApi(Protocol):
-    """A test environment with the API server's client (CtlEnv here, ctlfaultsenv.Env)."""
+    """A test environment with the API server's client (CtlEnv here, realnodeenv.Env)."""
 
     @property
     def api(self) -> Kube: ...
@@ -256,6 +257,38 @@ async def history(api: Kube, res: R.Resource, pod: PodRef) -> AsyncIterator[list
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     assert not early, f"the watch on {res.plural} {pod.name} ended early: its history is incomplete"
+
+
+def record(ws: Obj | None) -> dict[str, Any]:
+    """The controller's part of a WorkerSnapshot's status."""
+    rec: dict[str, Any] = ((ws or {}).get("status") or {}).get("controller") or {}
+    return rec
+
+
+def verified_wake(ws: Obj | None) -> bool:
+    """Awake, and its latest wake proven: Verified=True for the lastWake it names."""
+    st = (ws or {}).get("status") or {}
+    v = record(ws).get("verification") or {}
+    c = cond(ws, "Verified")
+    return bool(ws and ws["spec"]["desiredState"] == "Active" and st.get("state") == "Active"
+                and v.get("ok") is True and st.get("lastWake") and v.get("wakeId") == st["lastWake"].get("id")
+                and c and c["status"] == "True")
+
+
+def refuse(proxy: FakeApiProxy, *, method: str, path: str) -> Fault:
+    """fake_apiproxy refuses the controller's requests to exactly ``path`` with 503 until cleared: it stays
+    at the step before that write (each reconcile retried, failing there)."""
+    return proxy.add(Fault("respond", method=method, path_equals=path, status=503, times=None))
+
+
+def ws_path(pod: PodRef, *, status: bool = False) -> str:
+    """The path of the worker's WorkerSnapshot (its spec: desiredState; or its status)."""
+    return R.WORKER_SNAPSHOTS.path(namespace=pod.namespace, name=pod.name, subresource="status" if status else None)
+
+
+def gate_path(pod: PodRef) -> str:
+    """The path the serving gate is written to (the pod's status)."""
+    return R.PODS.path(namespace=pod.namespace, name=pod.name, subresource="status")
 
 
 def gate_of(pod: Obj) -> str | None:

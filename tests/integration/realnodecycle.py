@@ -26,7 +26,8 @@ from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import NodePod
 
 
-async def override(env: Env, w: NodePod, value: str) -> None:
+async def override(env: Env, w: NodePod, value: str | None) -> None:
+    """``dynsnap suspend|wake POD`` (the pod's dynsnap.io/desired-state: suspended, active); None takes it away."""
     await env.api.merge_patch(R.PODS, w.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: value}}},
                               namespace=w.namespace)
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Conflict
@@ -24,9 +26,11 @@ from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env, upgrade
 from dynsnap.testenv.cluster import LocalCluster
+from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 
-__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "component_policy",
-           "deployed", "edit_dgd", "installed", "instance_id", "running", "upgrade"]
+__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "api_server_env",
+           "component_policy", "controller_through_proxy", "deployed", "edit_dgd", "installed", "instance_id",
+           "running", "upgrade"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -50,6 +54,31 @@ async def installed(cluster: LocalCluster, work_root: Path, *, gpus: int = 2, va
     finally:
         problems = await chart_node.stop(e)
         assert not problems, "\n".join(problems)
+
+
+def api_server_env(host: str, port: int) -> list[Obj]:
+    """What a pod's in-cluster client takes for its API server (kubelet's own values otherwise)."""
+    return [{"name": "KUBERNETES_SERVICE_HOST", "value": host},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(port)}]
+
+
+@contextlib.asynccontextmanager
+async def controller_through_proxy(env: Env, **controller: Any) -> AsyncIterator[FakeApiProxy]:
+    """fake_apiproxy on the bridge's gateway, and the chart's controller reaching the API server only
+    through it (``controller.extraEnv`` by ``helm upgrade``), with ``controller``'s chart values on top;
+    the install as it was after."""
+    cp = env.cluster.cp
+    assert cp is not None
+    before = copy.deepcopy(env.values)
+    async with FakeApiProxy.in_front_of(cp, host=env.cluster.net.gateway) as p:
+        values = copy.deepcopy(before)
+        ctl = values.setdefault("controller", {})
+        ctl.update(controller, extraEnv=[*ctl.get("extraEnv", []), *api_server_env(p.host, p.port)])
+        await upgrade(env, values)
+        try:
+            yield p
+        finally:
+            await upgrade(env, before)
 
 
 @contextlib.asynccontextmanager

@@ -31,7 +31,6 @@ is the proxy, its quiesce and verification bounds short) and back after.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import signal
@@ -41,7 +40,15 @@ from urllib.parse import urlsplit
 import pytest
 from controllerenv import asleep, events_for, get_ws, history, policy, verified_after
 from fake_held_link import HeldLink
-from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, instance_id, upgrade
+from realnodeenv import (
+    WORKER_COMPONENT,
+    Env,
+    api_server_env,
+    component_policy,
+    controller_through_proxy,
+    deployed,
+    instance_id,
+)
 from realnodefacts import container_pid
 
 from dynsnap.k8s.client import Obj
@@ -59,30 +66,12 @@ QUIESCE_TIMEOUT = 8
 ALL_STEPS = ["gate", "endpoint-not-ready", "frontend-stopped-routing", "drained"]
 
 
-def _api_server_env(host: str, port: int) -> list[Obj]:
-    """What a pod's in-cluster client takes for its API server (kubelet's own values otherwise)."""
-    return [{"name": "KUBERNETES_SERVICE_HOST", "value": host},
-            {"name": "KUBERNETES_SERVICE_PORT", "value": str(port)}]
-
-
 @pytest.fixture(scope="module")
 async def proxy(env: Env) -> AsyncIterator[FakeApiProxy]:
-    """fake_apiproxy on the bridge's gateway, and the chart's controller reaching the API server only
-    through it (``controller.extraEnv``), with this module's quiesce and verification bounds; the
-    install as it was after the module."""
-    cp = env.cluster.cp
-    assert cp is not None
-    before = copy.deepcopy(env.values)
-    async with FakeApiProxy.in_front_of(cp, host=env.cluster.net.gateway) as p:
-        values = copy.deepcopy(before)
-        ctl = values.setdefault("controller", {})
-        ctl.update(quiesceTimeout=QUIESCE_TIMEOUT, verifyRequestTimeout=2,
-                   extraEnv=[*ctl.get("extraEnv", []), *_api_server_env(p.host, p.port)])
-        await upgrade(env, values)
-        try:
-            yield p
-        finally:
-            await upgrade(env, before)
+    """The chart's controller through fake_apiproxy (realnodeenv.controller_through_proxy), with this
+    module's quiesce and verification bounds."""
+    async with controller_through_proxy(env, quiesceTimeout=QUIESCE_TIMEOUT, verifyRequestTimeout=2) as p:
+        yield p
 
 
 def graph(env: Env, name: str, frontend_env: list[Obj] | None = None) -> Obj:
@@ -139,9 +128,18 @@ async def assert_called_off(env: Env, pod: NodePod, wss: list[Obj], steps: list[
     q = quiesce_of(ws)
     assert [s["name"] for s in q["steps"]] == steps, q
     assert not [v for v in wss if v["spec"]["desiredState"] == "Suspended"], "a capture was asked for"
-    warned = [e for e in await events_for(env.api, pod.namespace, pod.name)
-              if e["type"] == "Warning" and e["reason"] == "WorkerServing"]
-    assert warned and f"quiesce did not finish in {QUIESCE_TIMEOUT}s; capture called off" in warned[-1]["note"]
+    # The controller writes the quiesce's end first and its Event after: the Event is waited for (bounded).
+    note = f"quiesce did not finish in {QUIESCE_TIMEOUT}s; capture called off"
+
+    async def warned() -> bool:
+        return any(e["type"] == "Warning" and e["reason"] == "WorkerServing" and note in (e.get("note") or "")
+                   for e in await events_for(env.api, pod.namespace, pod.name))
+    try:
+        await wait_for("the Warning WorkerServing", warned, timeout=30, interval=0.3)
+    except TimeoutError:
+        said = [(e["type"], e["reason"], e.get("note")) for e in await events_for(env.api, pod.namespace, pod.name)]
+        print("EVENTS:", said, "CONTROLLER:", ws["status"].get("controller"))
+        raise
 
 
 async def captured_after_all_steps(env: Env, pod: NodePod) -> None:
@@ -206,7 +204,7 @@ async def test_no_capture_while_the_frontend_still_routes_to_the_worker(env: Env
     up = urlsplit(cp.url)
     assert up.hostname and up.port
     async with HeldLink(env.cluster.net.gateway, (up.hostname, up.port)) as link, deployed(
-            env, graph(env, "quiesce-routing", _api_server_env(link.host, link.port))) as g:
+            env, graph(env, "quiesce-routing", api_server_env(link.host, link.port))) as g:
         pod, wid = await _first_of_both_routable(env, g)
         assert env.fe is not None
         link.hold()  # the frontend's view of endpoints stops here
