@@ -71,17 +71,24 @@ async def cycle(env: Env, w: NodePod, tier: str, while_asleep: Callable[[Obj], A
     await while_asleep(slept)
     await override(env, w, "active")
     woken = await wait_ws(env, w, "woken and verified", verified_after(before))
-    wake = woken["status"]["lastWake"]
-    assert wake["ok"] is True and wake["tier"] == tier
+    wake = await proven(env, w, woken, tier)
+    if timings is not None:
+        timings.append(seconds(wake))
+    return woken
+
+
+async def proven(env: Env, w: NodePod, woken: Obj, tier: str) -> Obj:
+    """``woken`` (its WorkerSnapshot once this wake is verified) was a ``tier`` wake proven by 3 requests
+    pinned to the instance its DWM names, Verified=True, and kubelet has the pod Ready again; returns the wake."""
+    wake: Obj = woken["status"]["lastWake"]
+    assert wake["ok"] is True and wake["tier"] == tier, wake
     v = woken["status"]["controller"]["verification"]
     dwm = await env.api.get(R.DWMS, w.name, namespace=w.namespace)
     assert v["ok"] is True and v["answered"] == v["requests"] == 3 and v["workerId"] == instance_id_from_dwm(dwm)
     verified = cond(woken, "Verified")
     assert verified is not None and verified["status"] == "True" and verified["reason"] == "Verified"
     await wait_for(f"{w.name} Ready again", lambda: ready_is(env, w, True), timeout=60, interval=0.5)
-    if timings is not None:
-        timings.append(seconds(wake))
-    return woken
+    return wake
 
 
 async def set_tier(env: Env, w: NodePod, tier: str) -> None:

@@ -29,8 +29,8 @@ from dynsnap.testenv.cluster import LocalCluster
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 
 __all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "api_server_env",
-           "component_policy", "controller_through_proxy", "deployed", "edit_dgd", "installed", "instance_id",
-           "running", "upgrade"]
+           "chart_pod", "component_policy", "controller_through_proxy", "deployed", "edit_dgd", "installed",
+           "instance_id", "running", "upgrade"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -167,6 +167,13 @@ async def edit_dgd(env: Env, graph: real_graph.Graph, change: Callable[[Obj], No
         except Conflict:
             continue
     raise AssertionError("10 conflicting DGD writes in a row")
+
+
+async def chart_pod(env: Env, component: str) -> Obj:
+    """The chart's one live pod of ``component`` (``controller``, ``agent``; one not being deleted)."""
+    pods = [p for p in await env.chart_pods(component) if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
 
 
 async def instance_id(env: Env, pod: real_graph.NodePod) -> int:

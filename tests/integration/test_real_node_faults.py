@@ -30,7 +30,7 @@ import pytest
 from controllerenv import asleep, cond, events_for, get_ws, own_instance, verified_after
 from helperprocs import Helper, helpers_for
 from realnodecycle import override, same_pod, set_tier, trickle, wait_ws
-from realnodeenv import NS, WORKER_COMPONENT, Env, running
+from realnodeenv import NS, WORKER_COMPONENT, Env, chart_pod, running
 from realnodefacts import container_procs, kubelet_facts, stub_state
 from restart_faults import unhang
 
@@ -62,17 +62,11 @@ def _worker(env: Env) -> NodePod:
     return env.graph.workers(WORKER_COMPONENT)[0]
 
 
-async def _agent_pod(env: Env) -> Obj:
-    pods = [p for p in await env.chart_pods("agent") if not p["metadata"].get("deletionTimestamp")]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
-
-
 async def _delete_agent_pod(env: Env, *, gone: Callable[[], None] = lambda: None) -> tuple[Obj, Obj]:
     """``kubectl delete pod`` of the node's agent (the chart's grace period); ``gone`` is called once the
     old pod is gone (kubelet stopped its container); returns (the old pod, the DaemonSet's next one)
     once the next one is Ready."""
-    old = await _agent_pod(env)
+    old = await chart_pod(env, "agent")
     await env.api.delete(R.PODS, old["metadata"]["name"], namespace=NS)
 
     async def old_gone() -> bool:
@@ -280,7 +274,7 @@ async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the
     restored = [c for c in env.driver.calls()[calls:] if c.startswith(("cuCheckpointProcessRestore",
                                                                        "cuCheckpointProcessUnlock"))]
     assert not restored, restored
-    agent = (await _agent_pod(env))["metadata"]["name"]
+    agent = (await chart_pod(env, "agent"))["metadata"]["name"]
     logs = [f.read_text(errors="replace") for f in env.node.layout.pod_logs.glob(f"{NS}_{agent}_*/agent/*.log")]
     assert any("deleted images of pods gone from this node" in t and str(old_dir) in t for t in logs), \
         "the agent's image GC said which images it deleted (its log, as kubelet keeps it)"

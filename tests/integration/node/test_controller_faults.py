@@ -56,7 +56,16 @@ from controllerenv import (
 )
 from helperprocs import helpers_for
 from realnodecycle import override
-from realnodeenv import NS, WORKER_COMPONENT, Env, component_policy, controller_through_proxy, deployed, edit_dgd
+from realnodeenv import (
+    NS,
+    WORKER_COMPONENT,
+    Env,
+    chart_pod,
+    component_policy,
+    controller_through_proxy,
+    deployed,
+    edit_dgd,
+)
 from realnodefacts import container_pid, container_procs, kubelet_facts, stub_state
 from restart_faults import unhang
 
@@ -138,15 +147,9 @@ async def _events(env: Env, pod: NodePod, reason: str) -> list[Obj]:
     return [e for e in await events_for(env.api, pod.namespace, pod.name) if e.get("reason") == reason]
 
 
-async def _controller_pod(env: Env) -> Obj:
-    pods = [p for p in await env.chart_pods("controller") if not p["metadata"].get("deletionTimestamp")]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
-
-
 async def _controller_log(env: Env) -> str:
     """The controller's log since its pod started (``kubectl logs``)."""
-    pod = await _controller_pod(env)
+    pod = await chart_pod(env, "controller")
     return await env.pod_log(NS, pod["metadata"]["name"], "controller", tail=20000)
 
 
@@ -323,7 +326,7 @@ async def _restart(env: Env, proxy: FakeApiProxy) -> None:
     more), its pod deleted (kubelet kills what is stopped; the Deployment creates the next pod, not a
     restart in place under kubelet's crash back-off), the proxy's faults cleared; returns once the
     next pod is Ready (it waits out the old pod's Lease before it leads)."""
-    old = await _controller_pod(env)
+    old = await chart_pod(env, "controller")
     pid = container_pid(old, "controller")
     os.kill(pid, signal.SIGSTOP)
     proxy.clear()
@@ -528,7 +531,7 @@ async def test_watches_answered_410_relist_and_the_cycle_completes(env: Env, pro
     victim, peer = _workers(cycle)
     await _baseline(env, proxy, cycle)
     api = env.api
-    ctl = await _controller_pod(env)
+    ctl = await chart_pod(env, "controller")
     restarts = ctl["status"]["containerStatuses"][0]["restartCount"]
     start = await _relists(env)
     try:
@@ -564,7 +567,7 @@ async def test_watches_answered_410_relist_and_the_cycle_completes(env: Env, pro
         assert all(end[n] == start[n] + 2 for n in INFORMERS), (start, end)
         await _in_serving(env, victim)
         await _in_serving(env, peer)
-        now = await _controller_pod(env)
+        now = await chart_pod(env, "controller")
         assert now["metadata"]["uid"] == ctl["metadata"]["uid"] and \
             now["status"]["containerStatuses"][0]["restartCount"] == restarts, "it relisted, never restarted"
     finally:
