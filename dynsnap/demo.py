@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dynsnap import demo_story as S
-from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
@@ -103,8 +103,8 @@ async def _capture_then_load(env: Env, tl: S.Timeline, narrator: S.Narrator
     api = env.api
     assert env.fe is not None
     fe = env.fe
-    trickle = S.LoadGen(fe, 1, pause=3.0, max_tokens=2)
-    burst = S.LoadGen(fe, 6, max_tokens=60)
+    trickle = S.LoadGen(fe, 1, pause=3.0, max_tokens=2, name="trickle")
+    burst = S.LoadGen(fe, 6, max_tokens=60, name="burst")
     proofs: dict[str, dict[str, Any]] = {}
     try:
         await fe.wait_model()
@@ -134,8 +134,9 @@ async def _capture_then_load(env: Env, tl: S.Timeline, narrator: S.Narrator
     return sleeping, proofs, [burst, trickle]
 
 
-async def _check_wakes(api: Kube, tl: S.Timeline, before: dict[str, Obj], sleeping: list[str],
+async def _check_wakes(env: Env, graph: Graph, tl: S.Timeline, before: dict[str, Obj], sleeping: list[str],
                        proofs: dict[str, dict[str, Any]], loads: list[S.LoadGen]) -> None:
+    api = env.api
     snaps = {w["metadata"]["name"]: w for w in await S.snapshots(api)}
     for name in sleeping:
         v = proofs[name]
@@ -152,6 +153,11 @@ async def _check_wakes(api: Kube, tl: S.Timeline, before: dict[str, Obj], sleepi
     ok = sum(x.ok for x in loads)
     failures = [f"{x.clients} client(s) {f}" for x in loads for f in x.failed]
     said = "".join(f"\n    {f}" for f in failures[:5])
+    if failures:  # what the frontend itself says about each (its log, by x-request-id)
+        fe = graph.frontend
+        log = await env.pod_log(fe.namespace, fe.name, "main", tail=5000)
+        ids = [rid for x in loads for rid in x.failed_ids][:5]
+        said += "\n  the frontend's account:" + "".join(f"\n    {a}" for a in S.frontend_account(log, ids))
     tl.check(not failures, f"every request through the frontend answered: {ok} ok, {len(failures)} failed{said}")
 
 
@@ -270,7 +276,7 @@ async def _run(workdir: Path, timeline_out: Path) -> int:
         tasks = [asyncio.create_task(narrator.run(stop_watching)), kubelet_task]
         before = {p.name: await api.get(R.PODS, p.name, namespace=p.namespace) for p in workers}
         sleeping, proofs, loads = await _capture_then_load(env, tl, narrator)
-        await _check_wakes(api, tl, before, sleeping, proofs, loads)
+        await _check_wakes(env, graph, tl, before, sleeping, proofs, loads)
         stop_kubelet.set()
         await kubelet_task
         await watch.look()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -190,10 +191,12 @@ class KubeletWatch:
 class LoadGen:
     """Unpinned chat completions through the frontend from ``clients`` concurrent clients."""
 
-    def __init__(self, fe: D.FrontendClient, clients: int, *, pause: float = 0.0, max_tokens: int = 40) -> None:
-        self.fe, self.clients, self.pause, self.max_tokens = fe, clients, pause, max_tokens
+    def __init__(self, fe: D.FrontendClient, clients: int, *, pause: float = 0.0, max_tokens: int = 40,
+                 name: str = "load") -> None:
+        self.fe, self.clients, self.pause, self.max_tokens, self.name = fe, clients, pause, max_tokens, name
         self.ok = 0
-        self.failed: list[str] = []  # each: when (since start), what came back
+        self.failed: list[str] = []  # each: when (since start), its x-request-id, what came back
+        self.failed_ids: list[str] = []
         self.started = time.monotonic()
         self.stop_ev = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
@@ -210,21 +213,41 @@ class LoadGen:
         n = 0
         while not self.stop_ev.is_set() and n < 10_000:
             n += 1
+            rid = f"dynsnap-demo-{self.name}-{i}-{n}"  # x-request-id: the frontend logs the request under it
             try:
-                r = await self.fe.chat(f"load {i}.{n}", max_tokens=self.max_tokens)
+                r = await self.fe.chat(f"load {i}.{n}", max_tokens=self.max_tokens, request_id=rid)
                 if r.status == 200:
                     self.ok += 1
                 else:
-                    self.failed.append(f"{self._at()} HTTP {r.status} {str(r.body)[:160]}")
+                    self._fail(rid, f"HTTP {r.status} {str(r.body)[:160]}")
             except httpx.HTTPError as e:
-                self.failed.append(f"{self._at()} {type(e).__name__}: {str(e)[:160]}")
+                self._fail(rid, f"{type(e).__name__}: {str(e)[:160]}")
             if self.pause:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop_ev.wait(), self.pause)
 
+    def _fail(self, rid: str, what: str) -> None:
+        self.failed.append(f"{self._at()} {rid} {what}")
+        self.failed_ids.append(rid)
+
     async def stop(self) -> None:
         self.stop_ev.set()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def frontend_account(log: str, request_ids: list[str], *, per_request: int = 8) -> list[str]:
+    """The frontend's own log lines about each failed request (the lines naming its ``x-request-id``:
+    where it routed it, how that failed), colour codes stripped, at most ``per_request`` lines each."""
+    lines = [_ANSI.sub("", line) for line in log.splitlines()]
+    out: list[str] = []
+    for rid in request_ids:
+        named = re.compile(rf"(?<![\w-]){re.escape(rid)}(?![\w-])")  # the whole id: not -3-7 in -3-70
+        said = [line.strip()[:400] for line in lines if named.search(line)][:per_request]
+        out.append(f"{rid}: " + ("\n      ".join(["", *said]) if said else "not in the frontend's log"))
+    return out
 
 
 async def snapshots(api: Kube) -> list[Obj]:

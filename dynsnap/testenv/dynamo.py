@@ -233,8 +233,12 @@ class FrontendClient:
         await wait_for(f"frontend routing to worker {worker_id}", routed, timeout=timeout)
 
     async def chat(self, prompt: str = "Hello!", *, worker_id: int | None = None, prefill_id: int | None = None,
-                   max_tokens: int = 8) -> ChatResult:
+                   max_tokens: int = 8, request_id: str | None = None) -> ChatResult:
+        """One chat completion; ``request_id`` is sent as ``x-request-id``, which the frontend logs the
+        request under (how a failed request's own account is found in its log)."""
         headers = {}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
         if worker_id is not None:
             headers[P.HEADER_WORKER_INSTANCE_ID] = str(worker_id)  # decimal: hex is silently ignored
         if prefill_id is not None:
