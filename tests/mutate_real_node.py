@@ -1,7 +1,8 @@
 """Mutation check of what runs dynsnap on the real node (issue 19; docs/TESTING.md, "Mutation checks"):
 the local node's stand-ins (stub_kube_proxy, the GPU stand-in, the node lifecycle's taint), the
-node's kubelet settings, the chart's new values, both image build paths and one of the agent's
-restore flags, each broken on purpose as an exact replacement, then the tests that must go red.
+node's kubelet settings, the chart's new values, both image build paths, one of the agent's restore
+flags and the example frontend's request migration, each broken on purpose as an exact replacement,
+then the tests that must go red.
 Not collected by pytest (no test_ prefix). From the repository root, as root, with the environment
 of `./run env`:
 
@@ -41,6 +42,8 @@ CHART_PODS = WAKE + "test_chart_runs_as_pods_of_the_real_node"
 EXAMPLE_PODS = WAKE + "test_example_workers_run_as_the_example_ships_them"
 SUSPEND = WAKE + "test_suspend_wakes_in_place_on_real_containers"
 SNAPSHOT = WAKE + "test_snapshot_wakes_in_place_on_real_containers"
+UNDER_LOAD = WAKE + "test_quiesced_under_load_no_request_fails"
+EXAMPLE = "examples/dgd/agg.yaml"
 REAL_POD = "tests/integration/test_real_node.py::test_pod_runs_on_the_real_node"
 EXTRA_VOLUMES = "tests/unit/test_helm_chart.py::test_agent_extra_volumes_reach_the_pod_and_the_agent_container"
 ENTRYPOINT_IMAGE = "tests/integration/test_images.py::test_entrypoint_image_is_busybox_and_the_static_entrypoint"
@@ -84,6 +87,11 @@ MUTATIONS = (
         CRIU, '"--restore-detached",\n                "--pidfile"', '"--restore-detached", "--manage-cgroups=ignore",\n'
                                                                    '                "--pidfile"',
         tests=[SNAPSHOT]),
+    mutation(
+        "example-frontend-no-migration", "examples/dgd/agg.yaml: the frontend without request migration (Dynamo's "
+        "default): the requests queued on a worker as it is quiesced are answered 503", EXAMPLE,
+        '          args: [--http-port, "8000", --migration-limit, "3"]\n', '          args: [--http-port, "8000"]\n',
+        tests=[UNDER_LOAD]),
 )
 
 SUITE = Suite(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -54,6 +55,7 @@ CAP_CHECKPOINT_RESTORE = 40
 MEMORY_LIMIT_BYTES = 2 * 2**30  # realnodeenv.WORKER_MEMORY_LIMIT
 SETTLE_S = 25.0  # after a daemon's restart: examples/dgd's startupProbe and readinessProbe periods (10 s each) + 5
 TIMINGS: dict[str, list[float]] = {"suspend": [], "snapshot": []}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +160,43 @@ async def test_suspend_wakes_in_place_on_real_containers(env: Env) -> None:
             assert stub_state(env.driver, worker) == 0 and container_procs(w.uid, first.container_id).root == worker
     reasons = {e["reason"] for e in await events_for(env.api, w.namespace, w.name)}
     assert {"Quiescing", "CaptureRequested", "WakeRequested", "Verified"} <= reasons, reasons
+
+
+_MIGRATED = re.compile(r"migration retry scheduled .*migration\.reason=\"disconnected\" "
+                       r"migration\.from_worker_id=(\d+) .*?request_id=([0-9a-f-]+)")
+UNDER_LOAD_CYCLES = 8  # at most: until the frontend has moved a request off the leaving worker
+
+
+async def test_quiesced_under_load_no_request_fails(env: Env) -> None:
+    """A worker put to sleep (tier suspend) and woken while ten clients send unpinned requests through the
+    frontend without pause: every request is answered 200. When the quiesce takes the worker out of its
+    EndpointSlice, Dynamo's frontend cancels the requests still queued on it (sent, no response stream
+    yet) with a migratable error; the example's frontend (``--migration-limit 3``) moves them to the peer,
+    where without migration each is answered 503. The cause, not only the outcome: the cycles go on until
+    the frontend's own log shows at least one request moved off this worker for that disconnect (at most
+    ``UNDER_LOAD_CYCLES``), so the load did meet the worker as it left."""
+    assert env.graph is not None and env.fe is not None
+    w = env.graph.workers(WORKER_COMPONENT)[0]
+    await set_tier(env, w, "suspend")
+    iid = instance_id_from_dwm(await env.api.get(R.DWMS, w.name, namespace=w.namespace))
+    fe = env.graph.frontend
+    moved: set[str] = set()
+    load = Load(env.fe, concurrency=10, pause=0.0, max_tokens=2)
+    load.start()
+    try:
+        for _ in range(UNDER_LOAD_CYCLES):
+            await cycle(env, w, "suspend", lambda _: asyncio.sleep(0))
+            log = _ANSI.sub("", await env.pod_log(fe.namespace, fe.name, "main", tail=20000))
+            moved |= {m.group(2) for m in _MIGRATED.finditer(log) if int(m.group(1)) == iid}
+            if moved:
+                break
+    finally:
+        await load.stop()
+    failed = load.failures()
+    assert load.results and not failed, (len(failed), len(load.results), failed[:5])
+    assert moved, f"no request was moved off {w.name} in {UNDER_LOAD_CYCLES} cycles: the load never met its quiesce"
+    print(f"\nquiesced under load: {len(load.results)} requests, none failed; {len(moved)} moved off {w.name} "
+          "by the frontend's migration")
 
 
 async def test_snapshot_wakes_in_place_on_real_containers(env: Env) -> None:
