@@ -3,11 +3,7 @@ kwok, sandbox network) for the whole integration session, torn down even when te
 
 When a test failed, the logs of every component and every sandboxed pod are copied to
 ``$DYNSNAP_KEEP_LOGS`` (default ``test-logs/``). After teardown the session fails if any
-network namespace, bridge or sandboxed process of the harness is left behind.
-
-A selected module's ``HEAD_START`` (headstart.py: a long, passive setup such as
-test_agent_apiserver.py's wait for the API server's watch timeout) is begun with the session's first
-integration test (``_head_starts``) and runs beside the suites before it."""
+network namespace, bridge or sandboxed process of the harness is left behind."""
 
 from __future__ import annotations
 
@@ -19,13 +15,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from headstart import HeadStart
 
 from dynsnap.testenv.cluster import LocalCluster
 from dynsnap.testenv.netns import SandboxNetwork
 
 pytestmark = pytest.mark.cluster
-HERE = Path(__file__).resolve().parent
 
 
 def _require_root() -> None:
@@ -83,23 +77,3 @@ async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[LocalCluster]
             pytest.fail("components died during the session:\n" + "\n".join(broken))
         if leaks:
             pytest.fail("the harness left things behind:\n" + "\n".join(leaks))
-
-
-@pytest.fixture(scope="session", autouse=True)
-async def _head_starts(request: pytest.FixtureRequest) -> AsyncIterator[None]:
-    """Each selected module's ``HEAD_START`` (headstart.py) begun with the session's first integration
-    test, so that its passive wait runs beside the suites before it; any its module did not close is
-    closed at the session's end."""
-    starts: dict[int, HeadStart[object]] = {}
-    for item in request.session.items:
-        hs = getattr(getattr(item, "module", None), "HEAD_START", None)
-        if isinstance(hs, HeadStart) and HERE in item.path.parents:
-            hs.select(item.name)
-            starts[id(hs)] = hs
-    if starts:
-        _require_root()
-    for hs in starts.values():
-        hs.start(request.session)
-    yield
-    for hs in starts.values():
-        await hs.close()

@@ -2,16 +2,13 @@
 API-server rows), on a local cluster of their own (apiserver_env.py): its API server is restarted, and
 its audit log shows what each worker asks of it and when the server ends each watch.
 
-1. Workers asleep longer than the API server keeps their watch streams open: the server ends them
+1. The API server restarted mid-wake: the agent finishes the wake without it, keeps the records of the
+   steps whose status writes failed and writes them once it is back, and its informers reconnect; the
+   worker itself watches again on new connections, keeps its DWM and is routed to by the frontend.
+2. Workers asleep longer than the API server keeps their watch streams open: the server ends them
    while the workers' connections are frozen in a CRIU image. Woken, the workers serve at once (same
    DWM, routed to by the frontend) and watch again; how soon depends on how their connections come
-   back (see the test's docstring). The cluster and the sleep are this module's head start
-   (headstart.py): begun with the session's integration tests, so the API server's watch timeout
-   (290 s, which no server flag shortens) runs out while the suites before this one run.
-2. The API server restarted mid-wake (after 1: the restart would end the frozen watches early): the
-   agent finishes the wake without it, keeps the records of the steps whose status writes failed and
-   writes them once it is back, and its informers reconnect; the worker itself watches again on new
-   connections, keeps its DWM and is routed to by the frontend.
+   back (see the test's docstring).
 
 Sandbox, why: it restarts the API server of a cluster of its own and reads that server's audit log;
 no real node is built on that second cluster yet.
@@ -19,7 +16,6 @@ no real node is built on that second cluster yet.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -62,10 +58,8 @@ from apiserver_env import (
     leftovers,
     server_ends,
 )
-from headstart import HeadStart
 
 from dynsnap.k8s.client import Obj
-from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
@@ -95,12 +89,12 @@ class Env:
         return next(a for a in self.agents if a.node == pod.node)
 
 
-@contextlib.asynccontextmanager
-async def _serving(session: pytest.Session) -> AsyncIterator[Env]:
+@pytest.fixture(scope="module")
+async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
     """One frontend and two workers, ``api-worker-0`` on node-a and ``api-worker-1`` on node-b. The
     agent of node-a is the agent as shipped; the agent of node-b restores with --tcp-close
-    (apiserver_criu_tcp_close), the second way of coming back that the watch-timeout test compares. The
-    cluster is torn down whatever happens; its logs (and the audit log) are kept when a test failed."""
+    (apiserver_criu_tcp_close), the second way of coming back that test 2 compares. The cluster is torn
+    down whatever happens; its logs (and the audit log) are kept when a test failed."""
     work = Path(tempfile.mkdtemp(prefix="dynsnap-apiserver-"))
     cluster, audit = apiserver_cluster(work)
     try:
@@ -130,64 +124,10 @@ async def _serving(session: pytest.Session) -> AsyncIterator[Env]:
     finally:
         await cluster.stop()
         left = leftovers(cluster)
-        if session.testsfailed or left:
+        if request.session.testsfailed or left:
             print(f"\napiserver cluster logs kept in {keep_logs(work, 'apiserver-cluster').resolve()}")
         shutil.rmtree(work, ignore_errors=True)
         assert not left, "the cluster left things behind:\n" + "\n".join(left)
-
-
-@dataclass
-class Asleep:
-    """Both workers asleep (tier snapshot) with their watches frozen in the images: what the watch-timeout
-    test compares the woken workers with."""
-
-    pods: list[RunningPod]
-    before: dict[str, dict[str, object]]  # each worker's identity (pod UID, IP, DWM, instance id)
-    pre: dict[str, set[tuple[str, str]]]  # each worker's connections to the API server when it slept
-    open_watches: list[Watch]  # the watches they had open, frozen in the images
-
-
-@dataclass
-class Head:
-    env: Env
-    asleep: Asleep | None  # None where the watch-timeout test is not selected
-
-
-WATCH_TEST = "test_workers_asleep_past_their_watch_timeout"
-
-
-@contextlib.asynccontextmanager
-async def _head(selected: set[str], session: pytest.Session) -> AsyncIterator[Head]:
-    """The module's head start (headstart.py): the cluster serving and, for the watch-timeout test, both
-    workers put to sleep with their watches open, begun with the session so that the API server's watch
-    timeout (290 s) runs out while the suites before this module run."""
-    async with _serving(session) as env:
-        asleep = None
-        if WATCH_TEST in selected:
-            asleep = await _asleep_with_watches_open(env)
-        try:
-            yield Head(env, asleep)
-        finally:  # where the test did not take them (or never ran): its own end deletes them
-            if asleep is not None:
-                for p in asleep.pods:
-                    with contextlib.suppress(NotFound):
-                        await env.cluster.api.delete(R.WORKER_SNAPSHOTS, p.name, namespace=p.namespace)
-
-
-HEAD_START: HeadStart[Head] = HeadStart(_head)
-
-
-@pytest.fixture(scope="module")
-async def head(request: pytest.FixtureRequest) -> AsyncIterator[Head]:
-    try:
-        yield await HEAD_START.value(request.session)
-    finally:
-        await HEAD_START.close()
-
-
-@pytest.fixture(scope="module")
-def env(head: Head) -> Env:
-    return head.env
 
 
 async def _identity(cluster: LocalCluster, pod: RunningPod) -> dict[str, object]:
@@ -247,104 +187,6 @@ def _watching_since(env: Env, pod: RunningPod, since: datetime, *, frozen: set[t
         return (started >= WATCHED and bool(conns) and server_ends(conns) == conns
                 and not (frozen and conns & frozen))
     return check
-
-
-async def _asleep_with_watches_open(env: Env) -> Asleep:
-    """The watch-timeout test's first half (its head start): both workers serving, then out of serving
-    with both of their watches open, then asleep (tier snapshot) with those watches frozen in the images."""
-    cluster, api = env.cluster, env.cluster.api
-    shipped, closed = env.graph.workers("worker")
-    pods = [shipped, closed]
-    assert (shipped.node, closed.node) == (NODES[0], NODES[1])
-    for p in pods:
-        await api.create(R.WORKER_SNAPSHOTS, ws_body(p, tier="snapshot"))
-    before, pre, frozen = {}, {}, {}
-    for p in pods:
-        await wait_ws(api, p, "Accepted, Active", state_is("Active"), agents=env.agents)
-        before[p.name] = await _identity(cluster, p)
-        await _pinned(env, p, n=1)
-        await quiesce(cluster, p, serving=False)
-    for p in pods:  # both watches open (not in a reconnect backoff), to be frozen in the image
-        async def watching(p: RunningPod = p) -> bool:
-            return {w.resource for w in _open_watches(env, p)} == WATCHED
-        await eventually(f"{p.name} watching {WATCHED}", watching, timeout=120)
-        pre[p.name] = established(p, remote=apiserver_addr(cluster))
-        assert pre[p.name], "the worker holds connections to the API server (its discovery watches)"
-        await set_desired(api, p, "Suspended")
-    for p in pods:
-        await wait_ws(api, p, "Suspended", state_is("Suspended", suspended=True), agents=env.agents)
-        assert _ep_state(p) == "snapshotted"
-        frozen[p.name] = _open_watches(env, p)
-        assert {w.resource for w in frozen[p.name]} == WATCHED, frozen[p.name]
-        assert all(w.timeout_seconds for w in frozen[p.name]), [w.uri for w in frozen[p.name]]
-    return Asleep(pods, before, pre, [w for ws_ in frozen.values() for w in ws_])
-
-
-@pytest.mark.timeout(1500)
-async def test_workers_asleep_past_their_watch_timeout(head: Head) -> None:
-    """Dynamo 1.6.1's worker watches through kube-rs (kube-client 2.0.1), which puts
-    ``timeoutSeconds=290`` on every watch (the audit log shows it). The API server keeps a watch open
-    for the timeoutSeconds its client asks; its --min-request-timeout applies only to watches that ask
-    none, so it cannot shorten these. This test therefore sleeps both workers until the server has
-    ended every watch they had open, up to 290 s after the newest began (it waits on the audit log,
-    not on a clock), then wakes them.
-
-    The server ended those streams into connections frozen in the images (CRIU's network lock drops
-    their packets), closes the connections 90 s later (its idle timeout) and drops its end without a
-    reset once its retransmissions give up. Restored as they were, such connections are half-open:
-    nothing arrives on them, and the worker would watch again only when kube-client's read timeout
-    (295 s) gave up on them (seen before the agent reset them: 275-294 s after the wake). The agent as
-    shipped (node-a) therefore resets the woken worker's connections to the API server after a sleep
-    longer than --reset-apiserver-connections-after (30 s), and only those: it watches again at once
-    on new connections, and the frontend's connections to it are kept. Restored closed (node-b, CRIU
-    --tcp-close, the alternative not taken), it watches again at once too, but every connection is
-    closed under its peers: the frontend's first request over one fails (reset by peer) before it
-    reconnects. Both serve at once, keep their DWM and are routed to. About 6 minutes in all, nearly
-    all of it the server's watch timeout, which no server flag shortens.
-    """
-    assert head.asleep is not None, "the head start put the workers to sleep for this test"
-    env, a = head.env, head.asleep
-    cluster, api = env.cluster, env.cluster.api
-    shipped, closed = a.pods
-    pods, before, pre, open_watches = a.pods, a.before, a.pre, a.open_watches
-    try:
-        ends_by = max(w.ends_by for w in open_watches if w.ends_by is not None)
-
-        async def all_ended() -> bool:
-            still = {w.audit_id for p in pods for w in _open_watches(env, p)}
-            return not any(w.audit_id in still for w in open_watches)
-        await eventually("the API server ending every watch the sleeping workers had open", all_ended,
-                         timeout=max((ends_by - datetime.now(UTC)).total_seconds(), 0) + 60)
-        for p in pods:  # the server ended them while the workers slept
-            ws = await api.get(R.WORKER_SNAPSHOTS, p.name, namespace=p.namespace)
-            assert state_is("Suspended", suspended=True)(ws) and _ep_state(p) == "snapshotted"
-        woken_at = datetime.now(UTC)
-        for p in pods:
-            await set_desired(api, p, "Active")
-        for p in pods:
-            ws = await wait_ws(api, p, "Active", state_is("Active", suspended=False), agents=env.agents, timeout=120)
-            assert ws["status"]["lastWake"]["ok"] is True, yaml.safe_dump(ws["status"])
-            assert _steps(ws) == ["wake", "restore", "resume", "settle-active"], yaml.safe_dump(ws["status"])
-            await quiesce(cluster, p, serving=True)
-        for p in pods:  # serving at once, whatever became of its watches
-            assert await _identity(cluster, p) == before[p.name], "same pod UID, IP, DWM (not recreated), instance id"
-            await _pinned(env, p)
-        # Restored closed: none of the frozen connections is left; the worker watched again at once.
-        await eventually("the worker restored with --tcp-close watching again on new connections",
-                         _watching_since(env, closed, woken_at, frozen=pre[closed.name]), timeout=60)
-        # Restored as they were, its API-server connections reset by the agent: none of the frozen ones
-        # is left and it watches again at once, not after kube-client's read timeout.
-        await eventually("the worker woken by the shipped agent watching again on new connections",
-                         _watching_since(env, shipped, woken_at, frozen=pre[shipped.name]), timeout=60)
-        log_text = env.agent_for(shipped).log_path.read_text(errors="replace")
-        assert re.search(r"reset [1-9]\d* connection\(s\) of the woken worker to the API server", log_text)
-        for p in pods:
-            assert await _identity(cluster, p) == before[p.name]
-            await _pinned(env, p, n=1)
-            assert p.kubelet.restarts == 0
-    finally:
-        for p in pods:
-            await api.delete(R.WORKER_SNAPSHOTS, p.name, namespace=p.namespace)
 
 
 async def test_apiserver_restarted_mid_wake(env: Env) -> None:
@@ -409,3 +251,91 @@ async def test_apiserver_restarted_mid_wake(env: Env) -> None:
         assert pod.kubelet.restarts == 0
     finally:
         await api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+
+
+@pytest.mark.timeout(1500)
+async def test_workers_asleep_past_their_watch_timeout(env: Env) -> None:
+    """Dynamo 1.6.1's worker watches through kube-rs (kube-client 2.0.1), which puts
+    ``timeoutSeconds=290`` on every watch (the audit log shows it). The API server keeps a watch open
+    for the timeoutSeconds its client asks; its --min-request-timeout applies only to watches that ask
+    none, so it cannot shorten these. This test therefore sleeps both workers until the server has
+    ended every watch they had open, up to 290 s after the newest began (it waits on the audit log,
+    not on a clock), then wakes them.
+
+    The server ended those streams into connections frozen in the images (CRIU's network lock drops
+    their packets), closes the connections 90 s later (its idle timeout) and drops its end without a
+    reset once its retransmissions give up. Restored as they were, such connections are half-open:
+    nothing arrives on them, and the worker would watch again only when kube-client's read timeout
+    (295 s) gave up on them (seen before the agent reset them: 275-294 s after the wake). The agent as
+    shipped (node-a) therefore resets the woken worker's connections to the API server after a sleep
+    longer than --reset-apiserver-connections-after (30 s), and only those: it watches again at once
+    on new connections, and the frontend's connections to it are kept. Restored closed (node-b, CRIU
+    --tcp-close, the alternative not taken), it watches again at once too, but every connection is
+    closed under its peers: the frontend's first request over one fails (reset by peer) before it
+    reconnects. Both serve at once, keep their DWM and are routed to. About 6 minutes in all, nearly
+    all of it the server's watch timeout, which no server flag shortens.
+    """
+    cluster, api = env.cluster, env.cluster.api
+    shipped, closed = env.graph.workers("worker")
+    pods = [shipped, closed]
+    assert (shipped.node, closed.node) == (NODES[0], NODES[1])
+    for p in pods:
+        await api.create(R.WORKER_SNAPSHOTS, ws_body(p, tier="snapshot"))
+    try:
+        before, pre, frozen = {}, {}, {}
+        for p in pods:
+            await wait_ws(api, p, "Accepted, Active", state_is("Active"), agents=env.agents)
+            before[p.name] = await _identity(cluster, p)
+            await _pinned(env, p, n=1)
+            await quiesce(cluster, p, serving=False)
+        for p in pods:  # both watches open (not in a reconnect backoff), to be frozen in the image
+            async def watching(p: RunningPod = p) -> bool:
+                return {w.resource for w in _open_watches(env, p)} == WATCHED
+            await eventually(f"{p.name} watching {WATCHED}", watching, timeout=120)
+            pre[p.name] = established(p, remote=apiserver_addr(cluster))
+            assert pre[p.name], "the worker holds connections to the API server (its discovery watches)"
+            await set_desired(api, p, "Suspended")
+        for p in pods:
+            await wait_ws(api, p, "Suspended", state_is("Suspended", suspended=True), agents=env.agents)
+            assert _ep_state(p) == "snapshotted"
+            frozen[p.name] = _open_watches(env, p)
+            assert {w.resource for w in frozen[p.name]} == WATCHED, frozen[p.name]
+            assert all(w.timeout_seconds for w in frozen[p.name]), [w.uri for w in frozen[p.name]]
+        open_watches: list[Watch] = [w for ws_ in frozen.values() for w in ws_]
+        ends_by = max(w.ends_by for w in open_watches if w.ends_by is not None)
+
+        async def all_ended() -> bool:
+            still = {w.audit_id for p in pods for w in _open_watches(env, p)}
+            return not any(w.audit_id in still for w in open_watches)
+        await eventually("the API server ending every watch the sleeping workers had open", all_ended,
+                         timeout=max((ends_by - datetime.now(UTC)).total_seconds(), 0) + 60)
+        for p in pods:  # the server ended them while the workers slept
+            ws = await api.get(R.WORKER_SNAPSHOTS, p.name, namespace=p.namespace)
+            assert state_is("Suspended", suspended=True)(ws) and _ep_state(p) == "snapshotted"
+        woken_at = datetime.now(UTC)
+        for p in pods:
+            await set_desired(api, p, "Active")
+        for p in pods:
+            ws = await wait_ws(api, p, "Active", state_is("Active", suspended=False), agents=env.agents, timeout=120)
+            assert ws["status"]["lastWake"]["ok"] is True, yaml.safe_dump(ws["status"])
+            assert _steps(ws) == ["wake", "restore", "resume", "settle-active"], yaml.safe_dump(ws["status"])
+            await quiesce(cluster, p, serving=True)
+        for p in pods:  # serving at once, whatever became of its watches
+            assert await _identity(cluster, p) == before[p.name], "same pod UID, IP, DWM (not recreated), instance id"
+            await _pinned(env, p)
+        # Restored closed: none of the frozen connections is left; the worker watched again at once.
+        await eventually("the worker restored with --tcp-close watching again on new connections",
+                         _watching_since(env, closed, woken_at, frozen=pre[closed.name]), timeout=60)
+        # Restored as they were, its API-server connections reset by the agent: none of the frozen ones
+        # is left and it watches again at once, not after kube-client's read timeout.
+        await eventually("the worker woken by the shipped agent watching again on new connections",
+                         _watching_since(env, shipped, woken_at, frozen=pre[shipped.name]), timeout=60)
+        log_text = env.agent_for(shipped).log_path.read_text(errors="replace")
+        assert re.search(r"reset [1-9]\d* connection\(s\) of the woken worker to the API server", log_text)
+        for p in pods:
+            assert await _identity(cluster, p) == before[p.name]
+            await _pinned(env, p, n=1)
+            assert p.kubelet.restarts == 0
+    finally:
+        for p in pods:
+            await api.delete(R.WORKER_SNAPSHOTS, p.name, namespace=p.namespace)
