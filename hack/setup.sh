@@ -35,17 +35,31 @@ export DYNSNAP_KWOK="$CACHE/bin/kwok-$KWOK_VERSION/kwok"
 export DYNSNAP_KWOK_STAGES="$CACHE/bin/kwok-$KWOK_VERSION/stages"
 export DYNSNAP_NATIVE_BIN="$ROOT/native/build"
 
+# CRIU (apt and a short compile), Dynamo's venv and the CUDA headers (pip) wait mostly on the network,
+# the Go builds on the CPU: on a cold machine the first three are built beside the Go builds, in a
+# subshell whose output is shown after them. The foreground then runs all three again as always: they
+# find their builds cached (or fail there with their own message) and export what they export.
+_setup_beside_go() {
+  if declare -F setup_criu >/dev/null; then setup_criu; fi
+  if declare -F setup_dynamo >/dev/null; then setup_dynamo; fi
+  if declare -F setup_cuda_headers >/dev/null; then setup_cuda_headers; fi
+}
+
 setup_all() {
   local t0=$SECONDS
   setup_go   # go >= GO_MIN_VERSION for etcd, kube-apiserver, kwok (installed or fetched when missing/older)
   setup_python_venv
+  local beside_log; beside_log=$(mktemp)
+  ( _setup_beside_go ) >"$beside_log" 2>&1 &
+  local beside=$!
   build_etcd
   build_kwok
   build_kube
   if declare -F build_helm >/dev/null; then build_helm; fi
-  if declare -F setup_criu >/dev/null; then setup_criu; fi
-  if declare -F setup_dynamo >/dev/null; then setup_dynamo; fi
-  if declare -F setup_cuda_headers >/dev/null; then setup_cuda_headers; fi
+  wait "$beside" || log "the builds beside Go's ended with status $?: set up again below"
+  if grep -qv ': cached' "$beside_log"; then sed 's/^/  (beside Go) /' "$beside_log" >&2; fi
+  rm -f "$beside_log"
+  _setup_beside_go
   log "native: make -C native"
   make -s -C "$ROOT/native" >&2 || die "native build failed"
   if declare -F setup_node >/dev/null; then setup_node; fi       # after native/: the pause image carries dynsnap-pause
