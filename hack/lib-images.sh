@@ -332,6 +332,49 @@ _images_agent_files() {
     || die "images: CRIU does not run in the agent tree (a runtime library missing from IMAGES_AGENT_PKGS?)"
 }
 
+# A fresh work directory under the scratch space (IMAGES_WORK), whatever an interrupted build left
+# there removed first. Under the images lock.
+_images_work() {
+  local scratch; scratch=$(_images_scratch)
+  rm -rf "$scratch"/dynsnap-images-build.*
+  IMAGES_WORK=$(mktemp -d "$scratch/dynsnap-images-build.XXXXXX")
+}
+
+# The parts every image is made from, each cached under its own key (made when not cached): the four
+# mmdebstrap trees, the trees' CPython version and the dependency wheels for it. Sets the caller's
+# locals py_base, agent_base, bb_base, dyn_base, pyver and wheels.
+_images_parts() {
+  py_base=$(_images_base python essential "${IMAGES_PY_PKGS[@]}")
+  agent_base=$(_images_base agent essential "${IMAGES_AGENT_PKGS[@]}")
+  bb_base=$(_images_base busybox extract busybox-static)
+  dyn_base=$(_images_base dynamo essential "${IMAGES_DYNAMO_PKGS[@]}")
+  # The wheels are for the trees' CPython (Debian's python3 of that release).
+  pyver=$(tar -tf "$py_base" | sed -n 's|^\./usr/bin/python\(3\.[0-9]*\)$|\1|p' | head -1)
+  [[ -n "$pyver" ]] || die "images: no python3 in the $py_base tree"
+  wheels=$(_images_wheels "$pyver")
+}
+
+# What of the images needs neither native/ nor CRIU's build: the parts above, both Python images'
+# dependency layers and the Dynamo image's layer (after Dynamo's venv and the model directory). On a
+# cold machine hack/setup.sh makes them beside the Go builds (they wait on apt, pip and the disk more
+# than on the CPU), so setup_images after native/ only adds the top layers. Says nothing when all of
+# it is cached. Needs root, as setup_images does; without it, setup_images says so later.
+setup_images_parts() {
+  [[ $EUID -eq 0 ]] || return 0
+  _images_apt_deps
+  mkdir -p "$CACHE/images-base" "$CACHE/images-layers"
+  local lock; exec {lock}>"$CACHE/images-base/.lock"
+  flock "$lock"
+  _images_work
+  local py_base agent_base bb_base dyn_base pyver wheels
+  _images_parts
+  _images_deps_layer python "$py_base" "$wheels" >/dev/null
+  _images_deps_layer agent "$agent_base" "$wheels" >/dev/null
+  _images_dynamo_layer "$dyn_base" "$pyver" >/dev/null
+  rm -rf "$IMAGES_WORK"
+  exec {lock}>&-
+}
+
 setup_images() {
   local version; version=$("$DYNSNAP_VENV/bin/python" -c 'import sys,tomllib; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' \
     "$ROOT/pyproject.toml") || die "images: cannot read the version from pyproject.toml"
@@ -359,19 +402,11 @@ setup_images() {
   exec {_images_lock}>"$CACHE/images-base/.lock"
   flock "$_images_lock"
   if [[ -f "$out/.complete" ]]; then flock -u "$_images_lock"; log "images $version: cached ($out)"; return 0; fi
-  local t0=$SECONDS scratch; scratch=$(_images_scratch)
-  rm -rf "$scratch"/dynsnap-images-build.*
-  IMAGES_WORK=$(mktemp -d "$scratch/dynsnap-images-build.XXXXXX")
+  local t0=$SECONDS
+  _images_work
   log "images $version: building dynsnap-controller, dynsnap-agent, dynsnap-entrypoint, dynsnap-dynamo"
-  local py_base agent_base bb_base dyn_base
-  py_base=$(_images_base python essential "${IMAGES_PY_PKGS[@]}")
-  agent_base=$(_images_base agent essential "${IMAGES_AGENT_PKGS[@]}")
-  bb_base=$(_images_base busybox extract busybox-static)
-  dyn_base=$(_images_base dynamo essential "${IMAGES_DYNAMO_PKGS[@]}")
-  # The wheels are for the trees' CPython (Debian's python3 of that release).
-  local pyver; pyver=$(tar -tf "$py_base" | sed -n 's|^\./usr/bin/python\(3\.[0-9]*\)$|\1|p' | head -1)
-  [[ -n "$pyver" ]] || die "images: no python3 in the $py_base tree"
-  local wheels; wheels=$(_images_wheels "$pyver")
+  local py_base agent_base bb_base dyn_base pyver wheels
+  _images_parts
   IMAGES_TAG="$version"
   IMAGES_CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   rm -rf "$out.tmp"; mkdir -p "$out.tmp"

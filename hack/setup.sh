@@ -35,14 +35,16 @@ export DYNSNAP_KWOK="$CACHE/bin/kwok-$KWOK_VERSION/kwok"
 export DYNSNAP_KWOK_STAGES="$CACHE/bin/kwok-$KWOK_VERSION/stages"
 export DYNSNAP_NATIVE_BIN="$ROOT/native/build"
 
-# CRIU (apt and a short compile), Dynamo's venv and the CUDA headers (pip) wait mostly on the network,
-# the Go builds on the CPU: on a cold machine the first three are built beside the Go builds, in a
-# subshell whose output is shown after them. The foreground then runs all three again as always: they
-# find their builds cached (or fail there with their own message) and export what they export.
+# CRIU (apt and a short compile), Dynamo's venv, the CUDA headers (pip) and the images' parts (apt,
+# pip, the disk) wait mostly on the network, the Go builds on the CPU: on a cold machine the first four
+# are built beside the Go builds, in a subshell whose output is shown after them. The foreground then
+# runs all four again as always: they find their builds cached (or fail there with their own message)
+# and export what they export.
 _setup_beside_go() {
   if declare -F setup_criu >/dev/null; then setup_criu; fi
   if declare -F setup_dynamo >/dev/null; then setup_dynamo; fi
   if declare -F setup_cuda_headers >/dev/null; then setup_cuda_headers; fi
+  if declare -F setup_images_parts >/dev/null; then setup_images_parts; fi   # after Dynamo's venv
 }
 
 setup_all() {
