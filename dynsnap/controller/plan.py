@@ -14,7 +14,8 @@ Deterministic, so two reconciles of two workers of one component agree on who st
   as they were before it, so without that a worker woken for load would be idle at once, and
   quiesced again before the load had reached it. A worker still waking or verifying is not
   ready, so the component never drops below ``min-active`` serving workers, not even for a
-  moment.
+  moment; nor does a worker back in serving less than ``SETTLE_S`` ago count among those left
+  (kubelet may still take it out of its EndpointSlice for a moment, see ``SETTLE_S``).
 - When fewer than ``need`` are awake (or on their way), a capture still quiescing is called off
   first (cheapest), then sleeping workers are woken, most recently captured first.
 - The manual override wins over idleness and demand, except that ``suspended`` is refused with
@@ -52,6 +53,17 @@ class Phase(StrEnum):
     WAKING = "Waking"  # desiredState Active, the agent is waking it
     BROKEN = "Broken"  # lost, refused, or its wake failed: left alone by the planner, counted nowhere
 
+
+# How long a worker back in serving (a verified wake, or a quiesce called off) must have served before
+# it counts among the serving workers that let another of its component go to sleep. kubelet computes
+# a pod's Ready from its own copy of the pod's readiness gates, which can lag the API: after the serving
+# gate went False and True again within a second or two (a quiesce called off; a wake), kubelet may
+# still apply the False seconds later, and the pod leaves its EndpointSlice for about a second. Seen on
+# the real node (tests/integration/node/test_controller.py, tier snapshot): a quiesce called off while
+# kubelet still had the pod Ready, the other worker quiesced at once as the one idle longer, then
+# kubelet's late Ready=False of the first, and no worker of the model in the EndpointSlice: the
+# frontend answered a request 404. The worker serves meanwhile; it only is no floor yet.
+SETTLE_S = 10.0
 
 AWAKE_PHASES = frozenset({Phase.NEW, Phase.SERVING, Phase.STARTING, Phase.WAKING})
 ASLEEP_PHASES = frozenset({Phase.CAPTURING, Phase.ASLEEP})
@@ -107,6 +119,11 @@ def _idle_for(w: WorkerView, now: datetime) -> float | None:
         return None
     since = w.idle_since if w.serving_since is None else max(w.idle_since, w.serving_since)
     return (now - since).total_seconds()
+
+
+def _settled(w: WorkerView, now: datetime) -> bool:
+    """Whether ``w`` may count as serving for another's sleep (``SETTLE_S``)."""
+    return w.serving_since is None or (now - w.serving_since).total_seconds() >= SETTLE_S
 
 
 def _wakes(out: dict[str, Decision], *, awake: list[WorkerView], quiescing: list[WorkerView],
@@ -173,7 +190,12 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
     asleep = sorted((w for w in live if w.phase in ASLEEP_PHASES),
                     key=lambda w: (0 if w.override == active_override else 1,
                                    -(w.last_capture.timestamp() if w.last_capture else 0.0), w.name))
-    ready = sum(1 for w in awake if w.phase == Phase.SERVING)
+    ready = sum(1 for w in awake if w.phase == Phase.SERVING and _settled(w, now))
+    unsettled = [w for w in awake if w.phase == Phase.SERVING and not _settled(w, now)]
+    settles_in = min((SETTLE_S - (now - w.serving_since).total_seconds() for w in unsettled
+                      if w.serving_since is not None), default=None)
+    held_by = (f" ({len(unsettled)} back in serving less than {SETTLE_S:g}s ago not counted yet)"
+               if unsettled else "")
 
     # Wakes first: the deficit of awake workers is made up by calling off quiesces, then by waking.
     _wakes(out, awake=awake, quiescing=quiescing, asleep=asleep, need=need, policy=policy, demand=demand)
@@ -181,6 +203,8 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
     # Sleeps: only while the ready workers left stay at or above what is needed.
     for w in reversed(awake):  # the least wanted first
         idle = _idle_for(w, now)
+        counted = w.phase == Phase.SERVING and _settled(w, now)
+        others = ready - 1 if counted else ready  # the serving workers left without it
         if w.override == active_override:
             out[w.name] = Decision(Want.AWAKE, "manual override: active")
             continue
@@ -191,13 +215,13 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
             continue
         last = _last_of(w, awake, quiescing, policy)
         if w.override == suspended_override:
-            if w.phase == Phase.SERVING and ready - 1 >= policy.min_active:
+            if w.phase == Phase.SERVING and others >= policy.min_active:
                 out[w.name] = Decision(Want.ASLEEP, "manual override: suspended" + (ROUTABLE_WHY if last else ""),
                                        routable=last)
-                ready -= 1
+                ready = others
             else:
                 out[w.name] = Decision(Want.AWAKE, f"manual override suspended refused: it would leave fewer than "
-                                       f"min-active {policy.min_active} serving", refused=True)
+                                       f"min-active {policy.min_active} serving{held_by}", refused=True)
             continue
         if demand is None:
             out[w.name] = Decision(Want.AWAKE, "demand unknown (frontend not scraped): nothing goes to sleep")
@@ -209,18 +233,19 @@ def plan(workers: list[WorkerView], policy: Policy, demand: Demand | None, now: 
             out[w.name] = Decision(Want.AWAKE, f"idle {idle:.0f}s of {policy.idle_after:g}s",
                                    again_after=max(policy.idle_after - idle, 0.05))
             continue
-        if policy.wake_on_request and w.phase == Phase.SERVING and ready - 1 < 1 and not last:
+        if policy.wake_on_request and w.phase == Phase.SERVING and others < 1 and not last:
             # It would leave none serving while others of the component are still awake or on their way
             # to sleep (this very pass puts them there): it sleeps routable once they sleep.
             out[w.name] = Decision(Want.AWAKE, f"idle {idle:.0f}s, the last one serving: it sleeps routable once "
                                    "every other worker of the component sleeps", again_after=1.0)
-        elif w.phase == Phase.SERVING and ready - 1 >= need:
+        elif w.phase == Phase.SERVING and others >= need:
             out[w.name] = Decision(Want.ASLEEP, f"idle {idle:.0f}s >= {policy.idle_after:g}s; "
-                                   f"{ready - 1} stay serving (need {need})" + (ROUTABLE_WHY if last else ""),
+                                   f"{others} stay serving (need {need})" + (ROUTABLE_WHY if last else ""),
                                    routable=last)
-            ready -= 1
+            ready = others
         else:
-            out[w.name] = Decision(Want.AWAKE, f"idle, but {need} must stay serving")
+            out[w.name] = Decision(Want.AWAKE, f"idle, but {need} must stay serving{held_by}",
+                                   again_after=settles_in)
     for w in quiescing:
         out.setdefault(w.name, Decision(Want.ASLEEP, "quiescing for a capture"))
     for w in asleep:

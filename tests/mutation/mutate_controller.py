@@ -220,22 +220,29 @@ MUTATIONS = (
     # -- the planner ---------------------------------------------------------------------------------
     mutation(
         "plan-below-min-active", "the planner lets the serving workers drop below what is needed "
-        "(`ready - 1 >= need` -> `ready >= need`)", PLAN,
-        "        elif w.phase == Phase.SERVING and ready - 1 >= need:\n",
-        "        elif w.phase == Phase.SERVING and ready >= need:\n",
+        "(`others >= need` -> `others + 1 >= need`)", PLAN,
+        "        elif w.phase == Phase.SERVING and others >= need:\n",
+        "        elif w.phase == Phase.SERVING and others + 1 >= need:\n",
         tests=[PLAN_UNIT + "test_idle_serving_workers_sleep_down_to_min_active_never_below"],
         modules=["dynsnap.controller.plan"]),
     mutation(
         "plan-waking-counts-as-ready", "a worker still waking or verifying counts as serving", PLAN,
-        "    ready = sum(1 for w in awake if w.phase == Phase.SERVING)\n",
+        "    ready = sum(1 for w in awake if w.phase == Phase.SERVING and _settled(w, now))\n",
         "    ready = len(awake)\n",
         tests=[PLAN_UNIT + "test_a_worker_still_waking_or_verifying_does_not_count_as_serving"],
         modules=["dynsnap.controller.plan"]),
     mutation(
         "plan-suspend-not-refused", "a manual suspend is granted even when it breaks min-active", PLAN,
-        "            if w.phase == Phase.SERVING and ready - 1 >= policy.min_active:\n",
+        "            if w.phase == Phase.SERVING and others >= policy.min_active:\n",
         "            if w.phase == Phase.SERVING:\n",
         tests=[PLAN_UNIT + "test_manual_suspend_is_refused_with_min_active_when_it_would_break_it"],
+        modules=["dynsnap.controller.plan"]),
+    mutation(
+        "plan-unsettled-counts", "a worker back in serving moments ago (kubelet may still take it out of its "
+        "EndpointSlice) counts at once as the floor that lets another sleep", PLAN,
+        "    return w.serving_since is None or (now - w.serving_since).total_seconds() >= SETTLE_S\n",
+        "    return True\n",
+        tests=[PLAN_UNIT + "test_a_worker_just_back_in_serving_is_no_floor_for_another_to_sleep"],
         modules=["dynsnap.controller.plan"]),
     mutation(
         "plan-unknown-demand-sleeps", "unknown demand (frontend not scraped) lets idle workers sleep", PLAN,

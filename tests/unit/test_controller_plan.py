@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from dynsnap.controller.plan import Decision, Demand, Phase, Want, WorkerView, needed, plan
+from dynsnap.controller.plan import SETTLE_S, Decision, Demand, Phase, Want, WorkerView, needed, plan
 from dynsnap.models.policy import Policy
 from dynsnap.models.protocol import DesiredState, Reason
 
@@ -93,6 +93,26 @@ def test_a_worker_back_in_serving_is_idle_only_from_its_return(served_ago: float
     # busy is busy, whenever it came back
     assert plan([w("keep", S, idle=None), replace(x, idle_since=None)], POLICY, Demand(0), NOW)["x"].want \
         == Want.AWAKE
+
+
+@pytest.mark.parametrize(("back_ago", "want"), [(0.5, Want.AWAKE), (SETTLE_S - 0.1, Want.AWAKE),
+                                                (SETTLE_S, Want.ASLEEP), (60, Want.ASLEEP)])
+def test_a_worker_just_back_in_serving_is_no_floor_for_another_to_sleep(back_ago: float, want: Want) -> None:
+    # "back" had its quiesce called off (or was woken) back_ago seconds ago and serves; "old" has been idle
+    # long. kubelet may still take "back" out of its EndpointSlice for a moment (its copy of the serving
+    # gate lags), so until it settles, "old" stays: the component is never left with none in serving.
+    # The real node met this (node/test_controller.py, tier snapshot): a 404 from the frontend.
+    back = replace(w("back", S, idle=IDLE, active_ago=1), serving_since=NOW - timedelta(seconds=back_ago))
+    got = plan([w("old", S, idle=IDLE), back], POLICY, Demand(0), NOW)
+    assert got["back"].want == Want.AWAKE  # the most recently active stays awake either way
+    assert got["old"].want == want, got["old"]
+    if want == Want.AWAKE:
+        assert got["old"].why == f"idle, but 1 must stay serving (1 back in serving less than {SETTLE_S:g}s ago " \
+            "not counted yet)"
+        assert got["old"].again_after == pytest.approx(SETTLE_S - back_ago)  # looked at again once it settles
+    # A manual suspend waits for it too, refused with min-active meanwhile.
+    sus = plan([w("old", S, idle=None, override=DesiredState.SUSPENDED), back], POLICY, Demand(0), NOW)["old"]
+    assert (sus.want, sus.refused) == ((Want.AWAKE, True) if want == Want.AWAKE else (Want.ASLEEP, False)), sus
 
 
 def test_manual_suspend_is_refused_with_min_active_when_it_would_break_it() -> None:
