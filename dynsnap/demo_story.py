@@ -235,13 +235,12 @@ class LoadGen:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def frontend_account(log: str, request_ids: list[str], *, per_request: int = 8) -> list[str]:
     """The frontend's own log lines about each failed request (the lines naming its ``x-request-id``:
     where it routed it, how that failed), colour codes stripped, at most ``per_request`` lines each."""
-    lines = [_ANSI.sub("", line) for line in log.splitlines()]
+    lines = [D.uncoloured(line) for line in log.splitlines()]
     out: list[str] = []
     for rid in request_ids:
         named = re.compile(rf"(?<![\w-]){re.escape(rid)}(?![\w-])")  # the whole id: not -3-7 in -3-70

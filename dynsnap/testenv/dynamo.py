@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +25,15 @@ from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, LocalCluster, Running
 
 MODEL_NAME = "tiny"
 CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def uncoloured(log: str) -> str:
+    """A Dynamo process's log without the ANSI colour codes its tracing output carries (a pod's log as
+    kubelet keeps it), so that its ``key=value`` fields can be matched."""
+    return _ANSI.sub("", log)
 
 
 def dynamo_python() -> str:

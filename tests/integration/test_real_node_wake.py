@@ -43,6 +43,7 @@ from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.models.ids import PodUID
 from dynsnap.runtime import procfs
+from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.node_config import POD_PIDS_LIMIT
 from dynsnap.testenv.node_restart import restart_containerd, restart_kubelet
@@ -55,7 +56,6 @@ CAP_CHECKPOINT_RESTORE = 40
 MEMORY_LIMIT_BYTES = 2 * 2**30  # realnodeenv.WORKER_MEMORY_LIMIT
 SETTLE_S = 25.0  # after a daemon's restart: examples/dgd's startupProbe and readinessProbe periods (10 s each) + 5
 TIMINGS: dict[str, list[float]] = {"suspend": [], "snapshot": []}
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ async def test_quiesced_under_load_no_request_fails(env: Env) -> None:
     try:
         for _ in range(UNDER_LOAD_CYCLES):
             await cycle(env, w, "suspend", lambda _: asyncio.sleep(0))
-            log = _ANSI.sub("", await env.pod_log(fe.namespace, fe.name, "main", tail=20000))
+            log = D.uncoloured(await env.pod_log(fe.namespace, fe.name, "main", tail=20000))
             moved |= {m.group(2) for m in _MIGRATED.finditer(log) if int(m.group(1)) == iid}
             if moved:
                 break

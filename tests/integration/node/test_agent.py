@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -39,6 +38,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node
+from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import NodePod
 
@@ -201,7 +201,7 @@ async def test_a_worker_through_each_tier_and_back_is_the_same_worker(env: Env, 
         after_ids = await _pinned(env, iid, n=2)
 
         async def logged() -> bool:
-            text = re.sub(r"\x1b\[[0-9;]*m", "", await env.pod_log(w.namespace, w.name, "main", tail=5000))
+            text = D.uncoloured(await env.pod_log(w.namespace, w.name, "main", tail=5000))
             return all(f"request_id={rid}" in text for rid in before_ids + after_ids)
         await wait_for("request ids from before and after the wake in the container's log", logged,
                        timeout=30, interval=1)
