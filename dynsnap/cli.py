@@ -118,15 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # -v is for dynsnap's own decisions: httpcore's dozen DEBUG lines per HTTP request (and asyncio's) would
-    # bury them (an agent scraping its workers every second); httpx still logs each request at INFO.
-    for name in ("httpcore", "asyncio"):
-        logging.getLogger(name).setLevel(logging.INFO)
+    # bury them, and so would httpx's INFO line per request: an agent scrapes each worker every second and,
+    # while a worker sleeps routable, each frontend's /metrics 20 times a second (about 8 MB of log an hour,
+    # enough for kubelet to rotate the agent's log under a `kubectl logs` that wanted its last lines).
+    # dynsnap logs its own HTTP failures; httpx keeps only its warnings.
+    logging.getLogger("asyncio").setLevel(logging.INFO)
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if args.command == "demo":
         from dynsnap.demo import run_demo
-
-        if not args.verbose:  # the timeline is the demo's output: no line per HTTP request under it
-            for name in ("httpx", "httpcore"):
-                logging.getLogger(name).setLevel(logging.WARNING)
 
         rc: int = run_demo(timeline_out=args.timeline_out)
         return rc

@@ -12,7 +12,11 @@ server listens at the gateway, and the kubelet's API is served at that gateway a
 ``kubernetes`` Service's address that kubelet gives every container reaches the API server through
 stub_kube_proxy (the stand-in for kube-proxy, a CNI plugin chained after the bridge).
 Images come from OCI layouts imported into containerd's ``k8s.io`` namespace (:meth:`import_image`);
-nothing is ever pulled (containerd's only proxy is a dead loopback port).
+nothing is ever pulled (containerd's only proxy is a dead loopback port). With ``image_store`` (a
+directory that outlives the node: chart_node passes one in the local cache), containerd's root is
+kept there, as a real node keeps its images across restarts of its runtime: an image imported again
+unchanged costs containerd only its digests, not an unpack of every file (:func:`image_store`). One
+node at a time holds a store (a lock beside it); a node that finds it held keeps its own root.
 
 The control plane runs neither node IPAM nor node lifecycle (controlplane.py), so the Node is
 created here, with its podCIDR, before kubelet registers it (kubelet adopts it). ``stop`` deletes
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -103,6 +108,26 @@ def real_node_cidr(net: SandboxNetwork, index: int = 0) -> str:
     return str(subnets[200 + index])
 
 
+def image_store() -> Path:
+    """The image store a session's real nodes share, one at a time: in the local cache
+    (``$DYNSNAP_CACHE``, as ``./run setup`` sets it), so it also outlives the session."""
+    cache = os.environ.get("DYNSNAP_CACHE") or os.path.expanduser("~/.cache/dynsnap")
+    return Path(cache) / "node-image-store"
+
+
+def hold_store(store: Path) -> int | None:
+    """The image store locked for one node: the descriptor of ``<store>.lock`` holding an exclusive
+    flock (closing it, or the process's exit, releases it); None when another node holds it."""
+    store.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{store}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def image_ref(name: str) -> str:
     """The name containerd's CRI looks an image up by: Docker's normalisation of what a pod says
     (``dynsnap-entrypoint:0.1.0`` -> ``docker.io/library/dynsnap-entrypoint:0.1.0``)."""
@@ -116,7 +141,7 @@ class RealNode:
     """One kubelet + containerd node. Create, :meth:`start`, and always :meth:`stop`."""
 
     def __init__(self, *, name: str, root: Path, cp: ControlPlane, net: SandboxNetwork, api: Kube, pod_cidr: str,
-                 bins: NodeBinaries | None = None) -> None:
+                 bins: NodeBinaries | None = None, image_store: Path | None = None) -> None:
         if not _DNS_LABEL.fullmatch(name):
             raise ValueError(f"node name {name!r} is not a DNS label (a-z, 0-9, '-', at most 63): it names the "
                              "Node, its certificates and its cgroup root")
@@ -137,6 +162,8 @@ class RealNode:
         self.kube_proxy: dict[str, object] | None = None  # stub_kube_proxy's conflist entry (_register)
         self.containerd: Supervised | None = None
         self.kubelet: Supervised | None = None
+        self.image_store = image_store
+        self._store_lock: int | None = None  # the open, flock'ed lock file while this node holds the store
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -150,6 +177,9 @@ class RealNode:
     async def _start(self) -> None:
         bins = self.bins = self.bins or NodeBinaries.from_env()
         await self._sweep_stale()
+        if self.image_store is not None and (lock := hold_store(self.image_store)) is not None:
+            self._store_lock = lock
+            self.layout = conf.NodeLayout(self.layout.root, self.image_store)
         for d in self.layout.dirs():
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._make_cgroup_root()
@@ -289,7 +319,7 @@ class RealNode:
             raise ValueError(f"{layout}: an image layout with one manifest expected, found {len(manifests)}")
         name = ref or image_ref(manifests[0].get("annotations", {}).get("io.containerd.image.name", ""))
         manifests[0].setdefault("annotations", {})["io.containerd.image.name"] = name
-        archive = self.layout.root / f"import-{os.getpid()}.tar"
+        archive = self.layout.root / f"import-{os.getpid()}-{layout.name}.tar"  # imports may run side by side
         await asyncio.to_thread(_write_archive, layout, index, archive)
         try:
             await run_command(self.ctr_argv("images", "import", str(archive)), timeout=timeout)
@@ -300,6 +330,11 @@ class RealNode:
             raise RuntimeError(f"containerd lists no image {name} after importing {layout} (it has: {listed})")
         return name
 
+    def _release_store(self) -> None:
+        if self._store_lock is not None:
+            os.close(self._store_lock)  # closing the descriptor drops its flock
+            self._store_lock = None
+
     # -- stop ----------------------------------------------------------------------------------
 
     async def stop(self) -> None:
@@ -308,6 +343,7 @@ class RealNode:
                      self._sweep, self._delete_node):
             with contextlib.suppress(Exception):  # each step cleans what it can; leftovers() tells
                 await step()
+        self._release_store()  # containerd has stopped (or was killed by the sweep): the store is free
         if not clean.mounts_under(self.layout.root):
             # The bulk (image snapshots, state); configs and logs stay for the session's log copy.
             for d in (self.layout.root / "containerd", self.layout.kubelet_root, self.layout.pod_logs):

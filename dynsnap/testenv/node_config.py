@@ -45,13 +45,16 @@ KUBELET_HOST_DIRS = ("/var/lib/kubelet", "/var/log/containers")
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """Every path of one real node, all under ``root`` (inside the run's directory)."""
+    """Every path of one real node, all under ``root`` (inside the run's directory), but containerd's
+    root when ``image_store`` names one that outlives the node (node.py's image store)."""
 
     root: Path
+    image_store: Path | None = None
 
     @property
     def containerd_root(self) -> Path:
-        return self.root / "containerd" / "root"
+        """containerd's root: its metadata, content and unpacked snapshots (the node's images)."""
+        return self.image_store or self.root / "containerd" / "root"
 
     @property
     def containerd_state(self) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
 import tomllib
 from pathlib import Path
@@ -15,7 +16,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dynsnap.testenv.netns import SandboxNetwork
-from dynsnap.testenv.node import RealNode, image_ref, real_node_cidr
+from dynsnap.testenv.node import RealNode, hold_store, image_ref, real_node_cidr
 from dynsnap.testenv.node_config import (
     KUBELET_NS_SCRIPT,
     POD_PIDS_LIMIT,
@@ -85,6 +86,25 @@ def test_containerd_config_keeps_everything_under_the_run(tmp_path: Path) -> Non
     assert runc["options"] == {"SystemdCgroup": False, "BinaryName": "/usr/sbin/runc", "Root": str(lay.runc_root)}
     assert cri["cni"]["conf_dir"] == str(lay.cni_conf_dir)
     assert cri["cni"]["bin_dir"] == str(lay.cni_bin_dir) and lay.cni_bin_dir.is_relative_to(lay.root)
+
+
+def test_an_image_store_is_containerds_root_and_one_node_holds_it_at_a_time(tmp_path: Path) -> None:
+    """containerd's root moves to the store (the rest of the node stays under the run); the store's lock
+    is one node's at a time, and free again once its holder closes it."""
+    store = tmp_path / "cache" / "node-image-store"
+    lay = NodeLayout(tmp_path / "node", store)
+    cfg = tomllib.loads(containerd_toml(lay, pause_ref="p", runc=Path("/usr/sbin/runc")))
+    assert cfg["root"] == str(store) and cfg["state"] == str(lay.containerd_state)
+    assert lay.containerd_state.is_relative_to(lay.root) and lay.containerd_socket.is_relative_to(lay.root)
+    first = hold_store(store)
+    assert first is not None
+    try:
+        assert hold_store(store) is None, "a second node got the store another holds"
+    finally:
+        os.close(first)
+    again = hold_store(store)
+    assert again is not None, "the store stayed locked after its holder let it go"
+    os.close(again)
 
 
 def test_kubelet_configuration_is_a_cgroupfs_node_that_writes_no_host_sysctl(tmp_path: Path) -> None:
