@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import AgentProc, StubDriver, worker_component
-from helperprocs import running_for
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -262,8 +261,3 @@ async def restart_agent(agent: AgentProc, extra: list[str]) -> None:
     agent.extra = list(extra)
     await agent.start()
 
-
-def helpers_running(pod: RunningPod) -> list[str]:
-    """Processes an agent started for ``pod`` (CRIU, dynsnap-cuda) that still run, found by what they
-    are (helperprocs.py), not by the agent's own registry."""
-    return running_for(pod)

@@ -1,0 +1,209 @@
+"""The node agent under failing parts, on the real node (kubelet, containerd, runc; dynsnap installed by
+``helm install``: realnodeenv.py), moved from the sandbox suite test_agent_faults.py: the CUDA helper
+hanging past its bound, a GPU lock that never comes back, and a debugger attached to the worker (CRIU
+cannot seize a traced task). Each fault is caused for real (the stub driver holding its call as a wedged
+driver would; a real ptrace attach from the node), asserted by the Reason and the error text the
+chart's agent reports for it, and ends with the worker rolled back and running in its own container
+(every GPU process running in the driver, no helper left), then captured once the fault is gone and
+woken in place, verified by pinned requests: the same container, never restarted.
+
+The module's install is the package's with the agent's bounds short (a ``helm upgrade``, undone after):
+``agent.helperTimeout`` 3 s, ``agent.lockTimeoutMs`` 1000, ``agent.failureBackoff`` 1 s. Each test
+deploys examples/dgd/agg.yaml (two workers; idle-after 10m, so only the override on the pod acts) and
+asks one worker to sleep as ``dynsnap suspend`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from controllerenv import asleep, cond, get_ws, verified_after
+from faultsenv import debugger_attached
+from realnodecycle import override, proven, same_pod, wait_ws
+from realnodeenv import WORKER_COMPONENT, Env, deployed, upgrade
+from realnodefacts import container_procs, kubelet_facts, stub_state
+
+from dynsnap.k8s.client import Obj
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.real_graph import NodePod
+
+pytestmark = pytest.mark.cluster
+
+BOUNDS = {"helperTimeout": 3, "lockTimeoutMs": 1000, "failureBackoff": 1}
+RUNNING = 0  # the stub driver's state of a process that runs
+
+
+@pytest.fixture(scope="module")
+async def bounded(env: Env) -> AsyncIterator[Env]:
+    """The package's install with the agent's bounds short (BOUNDS), by ``helm upgrade``; undone after."""
+    before = copy.deepcopy(env.values)
+    values = copy.deepcopy(before)
+    values["agent"] = {**values.get("agent", {}), **BOUNDS}
+    await upgrade(env, values)
+    try:
+        yield env
+    finally:
+        env.driver.clear_faults()
+        await upgrade(env, before)
+
+
+def graph(env: Env, name: str, tier: str) -> Obj:
+    return chart_node.example_body(env, name=name, worker_replicas=2, policy={"dynsnap.io/tier": tier})
+
+
+def error_is(reason: str, step: str) -> Callable[[Obj | None], bool]:
+    def check(ws: Obj | None) -> bool:
+        err = ((ws or {}).get("status") or {}).get("lastError") or {}
+        return err.get("reason") == reason and err.get("step") == step
+    return check
+
+
+def degraded(ws: Obj, reason: str) -> None:
+    c = cond(ws, "Degraded")
+    assert c is not None and c["status"] == "True" and c["reason"] == reason, c
+
+
+def helpers_on_node() -> list[str]:
+    """dynsnap-cuda processes anywhere on the node (the shared install runs no other capture meanwhile)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.path.basename(os.readlink(d / "exe")) == "dynsnap-cuda":
+                    argv = (d / "cmdline").read_bytes().split(b"\0")
+                    out.append(f"{d.name} {b' '.join(argv).decode(errors='replace')}")
+            except OSError:
+                continue
+    return out
+
+
+async def worker_gpu_pid(env: Env, w: NodePod) -> int:
+    """The host pid of the worker's GPU process: the worker tree's root in its container."""
+    return container_procs(w.uid, (await kubelet_facts(env.api, w)).container_id).root
+
+
+async def rolled_back(env: Env, w: NodePod, gpu: int, reason: str) -> Obj:
+    """Active again while the failure is on record: the worker's GPU process running in the driver (the
+    same process), no helper left running."""
+    async def back() -> Obj | None:
+        ws = await get_ws(env.api, w)
+        st = (ws or {}).get("status") or {}
+        if st.get("state") != "Active" or (st.get("lastError") or {}).get("reason") != reason:
+            return None
+        if stub_state(env.driver, gpu) != RUNNING or helpers_on_node():
+            return None
+        return ws
+    found: Obj = await wait_for(f"{w.name} rolled back to Active", back, timeout=120, interval=0.2)
+    return found
+
+
+async def captured_then_woken(env: Env, w: NodePod, tier: str, driver_calls: int) -> None:
+    """Once the fault is gone the agent's next attempt captures the worker; woken in place, verified."""
+    slept = await wait_ws(env, w, f"asleep ({tier}) once the fault is gone", asleep)
+    assert slept["status"]["lastCapture"]["ok"] is True and "lastError" not in slept["status"], slept["status"]
+    steps = [s["name"] for s in slept["status"]["lastCapture"]["steps"]]
+    if tier == "suspend":
+        assert steps == ["quiesce", "save", "settle-suspended"], steps
+    else:
+        assert steps[:3] == ["quiesce", "save", "dump"] and steps[-1] == "settle-snapshotted", steps
+    assert slept["status"].get("consecutiveFailures", 0) == 0
+    assert len(env.driver.calls()) > driver_calls
+    before = (slept["status"].get("lastWake") or {}).get("id")
+    await override(env, w, "active")
+    woken = await wait_ws(env, w, "woken and verified", verified_after(before))
+    await proven(env, w, woken, tier)
+
+
+async def test_helper_hanging_past_its_bound_is_killed_rolled_back_and_retried(bounded: Env) -> None:
+    """The driver's checkpoint hangs longer than the agent's helperTimeout (3 s): the agent kills
+    dynsnap-cuda, reports HelperTimeout, brings the GPU process back to running and the worker back Active
+    while the backoff lasts; once the driver answers again, a later attempt captures the worker."""
+    env = bounded
+    async with deployed(env, graph(env, "flt-helper", "suspend")) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        gpu = await worker_gpu_pid(env, w)
+        mark = len(env.driver.calls())
+        env.driver.control("hang cuCheckpointProcessCheckpoint * 30000")
+        try:
+            await override(env, w, "suspended")
+            ws = await wait_ws(env, w, "HelperTimeout", error_is("HelperTimeout", "save"), timeout=120)
+            err = ws["status"]["lastError"]
+            assert "dynsnap-cuda --action save" in err["message"], err
+            assert "no exit within 3.0 s; killed" in err["message"], err
+            degraded(ws, "HelperTimeout")
+            ws = await rolled_back(env, w, gpu, "HelperTimeout")
+            degraded(ws, "HelperTimeout")
+            # Locked by the killed save, unlocked by the rollback.
+            calls = env.driver.calls()[mark:]
+            assert [c for c in calls if c.startswith("cuCheckpointProcessLock ") and c.endswith("rc=0")], calls
+            assert [c for c in calls if c.startswith("cuCheckpointProcessUnlock ") and c.endswith("rc=0")], calls
+        finally:
+            mark = len(env.driver.calls())
+            env.driver.clear_faults()
+        await captured_then_woken(env, w, "suspend", mark)
+        await same_pod(env, w, first)
+        assert await worker_gpu_pid(env, w) == gpu, "the same worker process (tier suspend keeps it)"
+
+
+async def test_lock_that_never_comes_back_fails_the_capture_and_the_worker_serves(bounded: Env) -> None:
+    """The GPU process's lock does not come back within the agent's lockTimeoutMs (1000; the driver
+    answers CUDA_ERROR_NOT_READY): CheckpointFailed with the driver's error, nothing checkpointed, the
+    worker back in service; captured once the lock comes back."""
+    env = bounded
+    async with deployed(env, graph(env, "flt-lock", "suspend")) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        gpu = await worker_gpu_pid(env, w)
+        mark = len(env.driver.calls())
+        env.driver.control("hang cuCheckpointProcessLock * 30000")
+        try:
+            await override(env, w, "suspended")
+            ws = await wait_ws(env, w, "CheckpointFailed", error_is("CheckpointFailed", "save"), timeout=120)
+            assert "CUDA_ERROR_NOT_READY" in ws["status"]["lastError"]["message"], ws["status"]["lastError"]
+            degraded(ws, "CheckpointFailed")
+            calls = env.driver.calls()[mark:]
+            locks = [c for c in calls if c.startswith("cuCheckpointProcessLock ")]
+            assert locks and all(c.endswith("timeout=1000 rc=600") for c in locks), locks
+            assert not [c for c in calls if c.startswith("cuCheckpointProcessCheckpoint ")], \
+                "nothing is checkpointed without the lock"
+            await rolled_back(env, w, gpu, "CheckpointFailed")
+        finally:
+            mark = len(env.driver.calls())
+            env.driver.clear_faults()
+        await captured_then_woken(env, w, "suspend", mark)
+        await same_pod(env, w, first)
+
+
+async def test_criu_cannot_dump_a_traced_worker_and_the_worker_is_rolled_back(bounded: Env) -> None:
+    """A debugger attached to the worker from the node (PTRACE_SEIZE, as gdb or py-spy attach): CRIU,
+    in the container's namespaces, cannot seize a traced task. The dump fails (DumpFailed, CRIU's own
+    message naming the worker's pid in its namespace), CRIU leaves the tree running, the agent brings
+    the GPU process back and the worker back Active, the same process; once the debugger detaches the
+    capture goes through and the worker wakes in place."""
+    env = bounded
+    async with deployed(env, graph(env, "flt-traced", "snapshot")) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        root = await worker_gpu_pid(env, w)
+        ns_pid = int(next(line.split()[-1] for line in Path(f"/proc/{root}/status").read_text().splitlines()
+                          if line.startswith("NSpid:")))
+        async with debugger_attached(root) as tracer:
+            assert f"TracerPid:\t{tracer}" in Path(f"/proc/{root}/status").read_text()
+            await override(env, w, "suspended")
+            ws = await wait_ws(env, w, "DumpFailed", error_is("DumpFailed", "dump"), timeout=120)
+            err = ws["status"]["lastError"]
+            assert "CRIU dump failed" in err["message"], err
+            assert re.search(rf"Unable to interrupt task: {ns_pid} \(Operation not permitted\)", err["message"]), err
+            degraded(ws, "DumpFailed")
+            await rolled_back(env, w, root, "DumpFailed")
+            assert Path(f"/proc/{root}").exists(), "CRIU left the tree running: the same worker process"
+            mark = len(env.driver.calls())
+        await captured_then_woken(env, w, "snapshot", mark)
+        await same_pod(env, w, first)
