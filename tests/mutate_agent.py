@@ -50,7 +50,9 @@ EDGE = "dynsnap/agent/edge.py"
 FAULTS = "tests/integration/test_agent_faults.py::"
 REFUSALS = "tests/integration/test_agent_refusals.py::"
 GPU_MISSING = FAULTS + "test_gpu_process_outside_the_dumped_tree_fails_the_capture_and_the_worker_comes_back"
-PIDS_TAKEN = FAULTS + "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free"
+PIDS_TAKEN = FAULTS + "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free[other]"
+PIDS_TAKEN_ROOT = ("tests/integration/node/test_agent_faults.py::"
+                   "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free")
 HELPER_HANG = ("tests/integration/node/test_agent_faults.py::"
                "test_helper_hanging_past_its_bound_is_killed_rolled_back_and_retried")
 LOCK_TIMEOUT = FAULTS + "test_lock_that_never_comes_back_fails_the_capture_and_unlocks_the_others"
@@ -131,12 +133,12 @@ MUTATIONS = (
         "no-restore-pid-check", "CRIU is asked to restore over pids that are taken", WAKE_STEPS,
         "    taken = sorted(wanted & {p.ns_pid for p in w.procs})\n",
         "    taken: list[NsPid] = []\n",
-        tests=[PIDS_TAKEN]),
+        tests=[PIDS_TAKEN, PIDS_TAKEN_ROOT]),
     mutation(
         "squatter-is-the-worker", "any process on the worker's pid is taken for the woken worker", EXECUTOR,
         "        return host is not None and procfs.cmdline(host, self.proc) == want\n",
         "        return True\n",
-        tests=[PIDS_TAKEN + "[root]"]),
+        tests=[PIDS_TAKEN_ROOT]),
     mutation(
         "no-io-uring-preflight", "a worker holding an io_uring descriptor goes to CRIU", CAPTURE_STEPS,
         "    rings = W.io_uring_holders(w, ex.proc)\n    if rings:\n        raise StepFailure("

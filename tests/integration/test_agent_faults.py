@@ -1,8 +1,8 @@
 """The node agent under failing parts (issue 8's fault matrix): CRIU failing, a lock that never comes
 back for one of a worker's two GPU processes, a full disk, a GPU process missing from the images, a
-restore whose pid is taken, the pod deleted mid-capture. (The CUDA helper hanging past its bound, a
-lock that never comes back and a debugger attached to the worker run on the real node:
-node/test_agent_faults.py.) Each test causes the fault for real (or
+restore whose pid another process of the dumped tree needs is taken, the pod deleted mid-capture. (The
+CUDA helper hanging past its bound, a lock that never comes back, a debugger attached to the worker
+and a squatter on the worker's own pid run on the real node: node/test_agent_faults.py.) Each test causes the fault for real (or
 through a named fake where it cannot be had on demand), asserts the Reason and the error text the
 agent reports for it, and ends with the worker running or restorable: the entrypoint active (or
 asleep with its images kept), every GPU process running in the (stub) driver, no process stopped,
@@ -426,7 +426,7 @@ async def _no_images(env: Env, pod: RunningPod) -> bool:
 
 # -- row 5: a restore whose pid is taken -------------------------------------------------------------------
 
-@pytest.mark.parametrize("which", ["other", "root"])
+@pytest.mark.parametrize("which", ["other"])  # "root": node/test_agent_faults.py, on the real node
 async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free(env: Env, which: str) -> None:
     pod = env.pod("plain")
     try:

@@ -1,7 +1,8 @@
 """The node agent under failing parts, on the real node (kubelet, containerd, runc; dynsnap installed by
 ``helm install``: realnodeenv.py), moved from the sandbox suite test_agent_faults.py: the CUDA helper
-hanging past its bound, a GPU lock that never comes back, and a debugger attached to the worker (CRIU
-cannot seize a traced task). Each fault is caused for real (the stub driver holding its call as a wedged
+hanging past its bound, a GPU lock that never comes back, a debugger attached to the worker (CRIU
+cannot seize a traced task), and a restore whose pid a squatter took in the container's pid
+namespace. Each fault is caused for real (the stub driver holding its call as a wedged
 driver would; a real ptrace attach from the node), asserted by the Reason and the error text the
 chart's agent reports for it, and ends with the worker rolled back and running in its own container
 (every GPU process running in the driver, no helper left), then captured once the fault is gone and
@@ -16,8 +17,11 @@ asks one worker to sleep as ``dynsnap suspend`` does.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -26,9 +30,11 @@ from controllerenv import asleep, cond, get_ws, verified_after
 from faultsenv import debugger_attached
 from realnodecycle import override, proven, same_pod, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, deployed, upgrade
-from realnodefacts import container_procs, kubelet_facts, stub_state
+from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
 
 from dynsnap.k8s.client import Obj
+from dynsnap.models import protocol as P
+from dynsnap.runtime import procfs
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import NodePod
@@ -206,4 +212,80 @@ async def test_criu_cannot_dump_a_traced_worker_and_the_worker_is_rolled_back(bo
             assert Path(f"/proc/{root}").exists(), "CRIU left the tree running: the same worker process"
             mark = len(env.driver.calls())
         await captured_then_woken(env, w, "snapshot", mark)
+        await same_pod(env, w, first)
+
+
+# A process entering the container's pid namespace lands on the pid it is given (as any process that
+# enters the namespace may: kubectl exec, a crash handler): the counter set below it, then a fork.
+_OCCUPY = """
+import os, sys
+target = int(sys.argv[1])
+for _ in range(50):
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # this process's pid namespace: the container's
+        f.write(str(target - 1))
+    pid = os.fork()
+    if pid == 0:
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)  # the caller waits for its output to end
+        os.execv("/bin/sleep", ["sleep", "600"])
+    if pid == target:
+        print(pid, flush=True)
+        os._exit(0)  # the sleeper is reparented to the namespace's PID 1, the entrypoint
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+sys.exit(f"pid {target} not obtained")
+"""
+
+
+def occupy_pid(entrypoint: int, ns_pid: int) -> int:
+    """A sleeping process at pid ``ns_pid`` of the pid namespace of the container whose PID 1 is
+    ``entrypoint`` (nsenter into that namespace only: the node's /proc, writable, and its sleep);
+    returns its host pid."""
+    out = subprocess.run(["nsenter", "-t", str(entrypoint), "-p", "--", "python3", "-c", _OCCUPY, str(ns_pid)],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    assert int(out.strip()) == ns_pid, out
+    ns = procfs.pid_ns(entrypoint)
+    assert ns is not None
+    host = next((st.pid for st in procfs.in_pid_ns(ns) if st.nspid[-1] == ns_pid), None)
+    assert host is not None, f"no process at pid {ns_pid} of the container's namespace"
+    return host
+
+
+async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free(bounded: Env) -> None:
+    """A snapshot's worker pid taken in the container's pid namespace while it sleeps (a squatter there is
+    not the worker, though it is the entrypoint's child at the worker's pid): the agent refuses the restore
+    (PidsInUse, naming the pid and what holds it), calls no CRIU, keeps the images and never settles the
+    squatter as woken; once the pid is free the next attempt restores the worker, verified, in the same
+    container."""
+    env = bounded
+    async with deployed(env, graph(env, "flt-pids", "snapshot")) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        await override(env, w, "suspended")
+        slept = await wait_ws(env, w, "asleep (snapshot)", asleep)
+        image = Path(slept["status"]["image"]["path"])
+        root = json.loads((image / P.MANIFEST_FILE).read_text())["rootNsPid"]
+        ep = container_procs(w.uid, first.container_id).entrypoint
+        sleeper = occupy_pid(ep, root)
+        try:
+            before = (slept["status"].get("lastWake") or {}).get("id")
+            await override(env, w, "active")
+            ws = await wait_ws(env, w, "PidsInUse", error_is("PidsInUse", "restore"), timeout=60)
+            err = ws["status"]["lastError"]
+            assert f"the capture's pids are taken in the pod's namespace: ['{root}:sleep']" in err["message"], err
+            degraded(ws, "PidsInUse")
+            assert ws["status"]["state"] == "Waking", ws["status"]
+            # Still restoring: the entrypoint sees a child of its own at the worker's pid and says it is
+            # alive; the agent knows better (the dumped worker's command line) and never settles it.
+            info = control_file(ep)
+            assert info["state"] == "restoring" and info["worker_alive"] is True, info
+            assert (image / P.MANIFEST_FILE).is_file(), "the images are kept"
+            assert not (image / "restore.log").exists(), "CRIU was not called"
+        finally:
+            os.kill(sleeper, signal.SIGKILL)
+        woken = await wait_ws(env, w, "woken once the pid is free, verified", verified_after(before))
+        wake = await proven(env, w, woken, "snapshot")
+        assert "restore" in [s["name"] for s in wake["steps"]], wake
+        assert "lastError" not in woken["status"], woken["status"]
         await same_pod(env, w, first)
