@@ -182,14 +182,14 @@ _OCCUPY = """
 import os, sys
 target = int(sys.argv[1])
 for _ in range(50):
-    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # this process's pid namespace: the pod's
         f.write(str(target - 1))
     pid = os.fork()
     if pid == 0:
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)  # the caller waits for its output to end
-        os.execvp("sleep", ["sleep", "600"])
+        os.execv("/bin/sleep", ["sleep", "600"])
     if pid == target:
         print(pid, flush=True)
         os._exit(0)  # the sleeper is reparented to the namespace's PID 1
@@ -199,14 +199,25 @@ sys.exit(f"pid {target} not obtained")
 """
 
 
-def occupy_pid(pod: RunningPod, ns_pid: int) -> int:
-    """Start a sleeping process at in-namespace pid ``ns_pid`` of the pod (as any process that enters
-    the namespace may land there); returns its host pid."""
-    out = _run(["nsenter", "-t", str(pod.sandbox.pid), "-p", "-m", "--", sys.executable, "-c", _OCCUPY, str(ns_pid)])
+def occupy_ns_pid(pid1: int, ns_pid: int, *, mount_ns: bool = False) -> int:
+    """Start a sleeping process at pid ``ns_pid`` of the pid namespace whose PID 1 is host pid ``pid1`` (as
+    any process that enters the namespace may land there: the counter set below it, then a fork);
+    returns its host pid. ``mount_ns``: enter its mount namespace too (a sandbox's shares the node's
+    files; a container's /proc/sys is read-only, so there the node's own /proc is used)."""
+    python = sys.executable if mount_ns else "python3"
+    out = _run(["nsenter", "-t", str(pid1), "-p", *(["-m"] if mount_ns else []), "--", python, "-c", _OCCUPY,
+                str(ns_pid)])
     assert int(out.strip()) == ns_pid, out
-    host = pod.sandbox.host_pid(ns_pid)
-    assert host is not None
+    ns = procfs.pid_ns(pid1)
+    assert ns is not None, f"{pid1} is gone"
+    host = next((st.pid for st in procfs.in_pid_ns(ns) if st.nspid[-1] == ns_pid), None)
+    assert host is not None, f"no process at pid {ns_pid} of {pid1}'s namespace"
     return host
+
+
+def occupy_pid(pod: RunningPod, ns_pid: int) -> int:
+    """A sleeping process at in-namespace pid ``ns_pid`` of the pod (:func:`occupy_ns_pid`)."""
+    return occupy_ns_pid(pod.sandbox.pid, ns_pid, mount_ns=True)
 
 
 @contextlib.contextmanager

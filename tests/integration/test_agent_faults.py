@@ -1,12 +1,12 @@
-"""The node agent under failing parts (issue 8's fault matrix): CRIU failing, a lock that never comes
-back for one of a worker's two GPU processes, a full disk, a GPU process missing from the images, a
-restore whose pid another process of the dumped tree needs is taken, the pod deleted mid-capture. (The
-CUDA helper hanging past its bound, a lock that never comes back, a debugger attached to the worker
-and a squatter on the worker's own pid run on the real node: node/test_agent_faults.py.) Each test causes the fault for real (or
-through a named fake where it cannot be had on demand), asserts the Reason and the error text the
-agent reports for it, and ends with the worker running or restorable: the entrypoint active (or
-asleep with its images kept), every GPU process running in the (stub) driver, no process stopped,
-no half-written image left to be reused, and a request pinned to the worker answered by it.
+"""The node agent under failing parts (issue 8's fault matrix): CRIU failing, a lock that never comes back
+for one of a worker's two GPU processes, a full disk, a GPU process missing from the images, a restore
+whose pid another process of the dumped tree needs is taken, the pod deleted mid-capture. (The CUDA
+helper hanging past its bound, a lock that never comes back, a debugger attached to the worker and a
+squatter on the worker's own pid run on the real node: node/test_agent_faults.py.) Each test causes the
+fault for real (or through a named fake where it cannot be had on demand), asserts the Reason and the
+error text the agent reports for it, and ends with the worker running or restorable: the entrypoint
+active (or asleep with its images kept), every GPU process running in the (stub) driver, no process
+stopped, no half-written image left to be reused, and a request pinned to the worker answered by it.
 
 The agent (node-a's; every worker of the module runs there) runs as its own process with short
 bounds: ``--failure-backoff 1``, ``--helper-timeout 3``, ``--lock-timeout-ms 1000``,

@@ -21,20 +21,18 @@ import json
 import os
 import re
 import signal
-import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from controllerenv import asleep, cond, get_ws, verified_after
-from faultsenv import debugger_attached
+from faultsenv import debugger_attached, occupy_ns_pid
 from realnodecycle import override, proven, same_pod, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, deployed, upgrade
 from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
-from dynsnap.runtime import procfs
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import NodePod
@@ -215,43 +213,6 @@ async def test_criu_cannot_dump_a_traced_worker_and_the_worker_is_rolled_back(bo
         await same_pod(env, w, first)
 
 
-# A process entering the container's pid namespace lands on the pid it is given (as any process that
-# enters the namespace may: kubectl exec, a crash handler): the counter set below it, then a fork.
-_OCCUPY = """
-import os, sys
-target = int(sys.argv[1])
-for _ in range(50):
-    with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # this process's pid namespace: the container's
-        f.write(str(target - 1))
-    pid = os.fork()
-    if pid == 0:
-        null = os.open("/dev/null", os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)  # the caller waits for its output to end
-        os.execv("/bin/sleep", ["sleep", "600"])
-    if pid == target:
-        print(pid, flush=True)
-        os._exit(0)  # the sleeper is reparented to the namespace's PID 1, the entrypoint
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-sys.exit(f"pid {target} not obtained")
-"""
-
-
-def occupy_pid(entrypoint: int, ns_pid: int) -> int:
-    """A sleeping process at pid ``ns_pid`` of the pid namespace of the container whose PID 1 is
-    ``entrypoint`` (nsenter into that namespace only: the node's /proc, writable, and its sleep);
-    returns its host pid."""
-    out = subprocess.run(["nsenter", "-t", str(entrypoint), "-p", "--", "python3", "-c", _OCCUPY, str(ns_pid)],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
-    assert int(out.strip()) == ns_pid, out
-    ns = procfs.pid_ns(entrypoint)
-    assert ns is not None
-    host = next((st.pid for st in procfs.in_pid_ns(ns) if st.nspid[-1] == ns_pid), None)
-    assert host is not None, f"no process at pid {ns_pid} of the container's namespace"
-    return host
-
-
 async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free(bounded: Env) -> None:
     """A snapshot's worker pid taken in the container's pid namespace while it sleeps (a squatter there is
     not the worker, though it is the entrypoint's child at the worker's pid): the agent refuses the restore
@@ -267,7 +228,7 @@ async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_fr
         image = Path(slept["status"]["image"]["path"])
         root = json.loads((image / P.MANIFEST_FILE).read_text())["rootNsPid"]
         ep = container_procs(w.uid, first.container_id).entrypoint
-        sleeper = occupy_pid(ep, root)
+        sleeper = occupy_ns_pid(ep, root)  # the node's /proc: a container's /proc/sys is read-only
         try:
             before = (slept["status"].get("lastWake") or {}).get("id")
             await override(env, w, "active")
