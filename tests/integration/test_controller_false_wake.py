@@ -19,8 +19,10 @@ frozen worker answers nothing; requests the frontend routed to it while it was b
 is node/test_controller_false_wake.py, on the real node.
 
 Sandbox, why: a frozen worker is Ready only under the stub kubelet's readiness window; on the real node
-the example's liveness probe (every 5 s, failureThreshold 1, through the entrypoint to the worker's
-/live) has kubelet restart the frozen container before a pinned request could show it.
+the example's probes answer 503 through the entrypoint for a frozen worker, so kubelet takes it out of
+Ready and, by the liveness probe (every 5 s, failureThreshold 1), restarts the container (seen on the
+real node, 2026-12-06: Events "Liveness probe failed ... 503" and "Killing", restartCount 1 35 s after
+the freeze), before a pinned request could show it.
 """
 
 from __future__ import annotations
