@@ -249,7 +249,11 @@ async def deploy_example(env: Env, body: Obj, *, timeout: float = 240, ready: bo
         for p in pods:
             st = (await env.api.get(R.PODS, p.name, namespace=p.namespace))["status"]
             print(p.name, [(c["name"], c["state"]) for c in st.get("initContainerStatuses") or []],
-                  [(c["name"], c["state"], c["restartCount"]) for c in st.get("containerStatuses") or []])
+                  [(c["name"], c["state"], c["restartCount"]) for c in st.get("containerStatuses") or []],
+                  st.get("conditions"))
+            if not pod_ready({"status": st}):  # why it is not Ready: its own log, and the stand-in driver's
+                print(f"--- {p.name} main ---\n" + await env.pod_log(p.namespace, p.name, "main", tail=60))
+        print("stub driver states (nskey -> state):", env.driver.states())
         raise
     if env.fe is not None:
         await env.fe.close()
@@ -289,6 +293,7 @@ async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpu
             env.images[image] = ref.removeprefix("docker.io/library/")
         await work.start()
         await lift_not_ready_taint(cluster.api, name)
+        await namespace_gone(cluster.api, NS, timeout=120, only_terminating=True)  # an earlier install's
         base = chart_values(env.paths, env.driver)
         for section, more in (values or {}).items():
             base[section] = {**(base.get(section) or {}), **more}
@@ -311,6 +316,17 @@ async def _uninstall(env: Env) -> str:
     return ""
 
 
+async def namespace_gone(api: Kube, name: str, *, timeout: float, only_terminating: bool = False) -> None:
+    """Wait until the namespace ``name`` is gone (``only_terminating``: or there and not being deleted)."""
+    async def gone() -> bool:
+        try:
+            ns = await api.get(R.NAMESPACES, name)
+        except NotFound:
+            return True
+        return only_terminating and not ns["metadata"].get("deletionTimestamp")
+    await wait_for(f"namespace {name} gone", gone, timeout=timeout, interval=0.5)
+
+
 async def stop(env: Env) -> list[str]:
     """Everything down, in reverse; returns what went wrong on the way (the caller asserts it is nothing)."""
     problems: list[str] = []
@@ -325,6 +341,12 @@ async def stop(env: Env) -> list[str]:
             problems.append(said)
     with contextlib.suppress(NotFound):
         await env.api.delete(R.NAMESPACES, NS)
+    # Gone before the node goes (kubelet confirms the deletion of the namespace's pods), so that the next
+    # install of the session does not meet it Terminating ("unable to create new content in namespace").
+    try:
+        await namespace_gone(env.api, NS, timeout=120)
+    except TimeoutError as e:
+        problems.append(str(e))
     problems += env.work.failed() + env.node.failed()
     await env.work.stop()
     await env.node.stop()
