@@ -76,8 +76,13 @@ MUTATIONS = (
         tests=TESTS),
     mutation(
         "cuinit-not-held", "cuInit is not held", LIB,
-        "\tCUresult rc = stub_hold(\"cuInit\");",
-        "\tCUresult rc = CUDA_SUCCESS;",
+        "\trc = stub_hold(\"cuInit\");",
+        "\trc = CUDA_SUCCESS;",
+        tests=TESTS),
+    mutation(
+        "stale-state-holds", "a new process starts held by the state a gone process left under its key", LIB,
+        "\t\tstub_drop_stale_self();\n",
+        "",
         tests=TESTS),
     mutation(
         "copies-not-held", "cuMemcpyHtoD/DtoH are not held", PROC,

@@ -5,7 +5,8 @@ It loads the library named by ``--lib`` through ctypes, makes the calls an engin
 starts (cuInit, the primary context of device 0 made current, ``--alloc`` bytes of device memory
 with a pattern copied in), writes ``ready <pid>`` to ``--out``, then makes ``--call`` in a loop and
 appends one line per call that returned: ``<n> <rc> <ok|bad|->`` (``ok``: a cuMemcpyDtoH read the
-pattern back). Bounded by ``--count`` calls and ``--seconds``. With ``--count 0`` it only starts,
+pattern back). Bounded by ``--count`` calls and ``--seconds``. With ``--start-when FILE`` it waits for
+FILE before its first call (a test sets up the state its pid will find). With ``--count 0`` it only starts,
 then exits cleanly after ``--linger`` seconds (a clean exit gives the device memory back).
 """
 
@@ -29,8 +30,13 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=100000)
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--linger", type=float, default=0)
+    ap.add_argument("--start-when", help="wait (at most 30 s) for this file before the first call")
     a = ap.parse_args()
     cu = ctypes.CDLL(a.lib)
+    for _ in range(3000 if a.start_when else 0):
+        if os.path.exists(a.start_when):
+            break
+        time.sleep(0.01)
     ctx, dptr = ctypes.c_void_p(), ctypes.c_uint64()
     steps = [("cuInit", cu.cuInit(0)), ("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0)),
              ("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx)),

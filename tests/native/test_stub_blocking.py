@@ -151,6 +151,25 @@ def test_a_call_while_checkpointed_waits_until_the_resume_then_returns_its_resul
     assert any(re.fullmatch(rf"release {call} key={pid} state={RUNNING} ms=\d+ rc=0", x) for x in holds(stub))
 
 
+def test_a_new_process_never_starts_held_by_a_gone_ones_state(stub: Stub, callers: Callable[..., Caller],
+                                                              tmp_path: Path) -> None:
+    """A checkpointed state left under the key a new process gets (a gone process's, whose pid namespace
+    inode the kernel reused: the real driver's state went with it) does not hold the new process: its
+    first cuInit finds its key running, and the holds log says the stale state was dropped. Without
+    that a worker started in a reused namespace would hang in cuInit, never Ready."""
+    go = tmp_path / "go"
+    c = callers("cuCtxSynchronize", extra=("--start-when", str(go)))
+    pid = c.proc.pid
+    (stub.dir / "state").write_text(f"{pid} {CHECKPOINTED}\n")  # what a gone process under this key left
+    go.touch()
+    ready = c.ready()
+    assert ready.startswith(f"ready {pid} ") and ready.endswith("rc=0"), ready
+    assert stub.state(pid) == RUNNING
+    assert f"stale key={pid} state={CHECKPOINTED} dropped" in holds(stub), holds(stub)
+    assert not [x for x in holds(stub) if x.startswith("hold ")], holds(stub)
+    assert all(rc == 0 for rc, _ in c.wait_answers(3))  # and it runs on, answering
+
+
 def test_a_call_while_locked_waits_until_the_unlock(stub: Stub, callers: Callable[..., Caller]) -> None:
     c = callers("cuCtxSynchronize")
     c.ready()

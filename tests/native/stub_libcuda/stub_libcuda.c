@@ -52,6 +52,12 @@
  *   alloc     "<key> <device> <bytes> <resident 0|1>" per process holding
  *             device memory it allocated (cuMemAlloc_v2)
  *
+ * A process's first cuInit finds its key running: a locked or checkpointed
+ * state under it was left by a gone process whose pid namespace inode the
+ * kernel gave to this one's (the real driver's state lives in the process and
+ * goes with it); "stale key=<key> state=<state> dropped" in holds says so. A
+ * process CRIU restored makes no first cuInit again (the flag is in its memory).
+ *
  * The hold. The driver calls a process makes on its own behalf (what an engine
  * calls: cuInit, cuDeviceGetCount, cuDeviceGet, cuDeviceGetUuid,
  * cuDevicePrimaryCtxRetain/Release, cuCtxSetCurrent, cuCtxSynchronize,
@@ -205,8 +211,13 @@ static int read_state(int pid)
 
 static void write_state(int pid, int st)
 {
+	stub_write_state_key(stub_state_key(pid), st);
+}
+
+void stub_write_state_key(long long key, int st)
+{
 	char p[4096], tmp[4200];
-	long long keys[MAXP], q, key = stub_state_key(pid);
+	long long keys[MAXP], q;
 	int sts[MAXP], n = 0, s, found = 0;
 	FILE *f;
 
@@ -609,7 +620,14 @@ int stub_current_device(void)
 
 CUresult cuInit(unsigned int flags)
 {
-	CUresult rc = stub_hold("cuInit");
+	static int called; /* restored with the process by CRIU: 1 in a woken worker */
+	CUresult rc;
+
+	if (!called) {
+		called = 1;
+		stub_drop_stale_self();
+	}
+	rc = stub_hold("cuInit");
 	long long code = rc == CUDA_SUCCESS ? control("fail", "cuInit", 0) : -1;
 
 	if (code >= 0)

@@ -69,6 +69,17 @@ static int held(int st)
 	return st == CU_PROCESS_STATE_LOCKED || st == CU_PROCESS_STATE_CHECKPOINTED;
 }
 
+void stub_drop_stale_self(void)
+{
+	long long key = stub_self_key();
+	int st = stub_state_of(key);
+
+	if (!held(st))
+		return;
+	stub_write_state_key(key, CU_PROCESS_STATE_RUNNING);
+	logline_to("holds", "stale key=%lld state=%d dropped", key, st);
+}
+
 CUresult stub_hold(const char *fn)
 {
 	long long key = stub_self_key(), max_ms = HOLD_MAX_MS, t0;

@@ -19,6 +19,11 @@ STUB_HIDDEN long long stub_state_key(int pid);
 STUB_HIDDEN long long stub_self_key(void);
 /* A key's state in the state file (0 running when it has no line). */
 STUB_HIDDEN int stub_state_of(long long key);
+/* Writes a key's state into the state file (stub_libcuda.c). */
+STUB_HIDDEN void stub_write_state_key(long long key, int st);
+/* At a process's first cuInit: a held state under its own key, left by a gone
+ * process (a reused pid namespace inode), set back to running. */
+STUB_HIDDEN void stub_drop_stale_self(void);
 
 /* A call a process makes on its own behalf waits here while that process is
  * locked or checkpointed; returns CUDA_SUCCESS once it runs again, or
