@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import yaml
 from agentenv import AGENT_NS, AGENT_SA, AgentProc, StubDriver, build_stub_driver, install_dynsnap, token_kubeconfig
@@ -194,6 +194,44 @@ def verified_after(since: str | None) -> Callable[[Obj | None], bool]:
         return bool(wake.get("id") and wake.get("id") != since and v.get("wakeId") == wake.get("id")
                     and v.get("ok") is True)
     return check
+
+
+PodT = TypeVar("PodT", bound=PodRef)
+
+
+async def one_asleep(api: Kube, workers: list[PodT], *, timeout: float = 180) -> tuple[PodT, PodT]:
+    """Exactly one of two workers asleep (idleness put it to sleep, min-active 1 keeps the other):
+    (the sleeper, its peer)."""
+    async def one() -> list[PodT] | None:
+        sleeping = [p for p in workers if asleep(await get_ws(api, p))]
+        return sleeping if len(sleeping) == 1 else None
+    sleeping: list[PodT] = await wait_for("one of two workers asleep", one, timeout=timeout, interval=0.5)
+    return sleeping[0], next(p for p in workers if p is not sleeping[0])
+
+
+async def wait_verdict(wss: list[Obj], reason: str) -> Obj:
+    """The verdict on the wake that follows, from ``wss`` (a WorkerSnapshot's :func:`history`): the first
+    version whose verification is of a wake newer than the one on record when the history began (a verdict
+    from before, on its return from a quiesce that was called off, may still be there). It must be
+    ``Verified=False`` with ``reason``; a wrong verdict fails at once, not at a time-out."""
+    before = ((wss[0].get("status") or {}).get("lastWake") or {}).get("id")
+
+    def of_the_wake(ws: Obj) -> bool:
+        st = ws.get("status") or {}
+        wake = (st.get("lastWake") or {}).get("id")
+        v = (st.get("controller") or {}).get("verification") or {}
+        return bool(wake and wake != before and v.get("wakeId") == wake and v.get("ok") is not None)
+
+    async def found() -> Obj | None:
+        return next((ws for ws in wss if of_the_wake(ws)), None)
+    try:
+        ws: Obj = await wait_for("a verdict on the wake", found, timeout=180, interval=0.2)
+    except TimeoutError:
+        print("LAST STATUS:", yaml.safe_dump((wss[-1] if wss else {}).get("status")))
+        raise
+    c = cond(ws, "Verified")
+    assert c and c["status"] == "False" and c["reason"] == reason, f"wanted Verified=False {reason}, got {c}"
+    return ws
 
 
 class HasApi(Protocol):

@@ -131,9 +131,9 @@ def stub_calls(driver: StubDriver, fn: str, pid: int) -> list[str]:
 
 # -- WorkerSnapshot status checks ---------------------------------------------------------------------
 
-def error_is(reason: str, *, step: str | None = None) -> Callable[[Obj], bool]:
-    def check(ws: Obj) -> bool:
-        err = (ws.get("status") or {}).get("lastError") or {}
+def error_is(reason: str, *, step: str | None = None) -> Callable[[Obj | None], bool]:
+    def check(ws: Obj | None) -> bool:
+        err = ((ws or {}).get("status") or {}).get("lastError") or {}
         return bool(err.get("reason") == reason and (step is None or err.get("step") == step))
     return check
 

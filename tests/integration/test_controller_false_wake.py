@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from controllerenv import CtlEnv, Load, asleep, cond, events_for, gate_of, get_ws, history, policy, running
+from controllerenv import CtlEnv, Load, cond, events_for, gate_of, history, one_asleep, policy, running, wait_verdict
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
@@ -78,18 +77,6 @@ async def env_through_proxy(cluster: LocalCluster, name: str, on_failed_wake: st
             cluster, graph(name, on_failed_wake), controller_server=proxy.url,
             controller_args=["--verify-timeout", str(VERIFY_TIMEOUT)]) as env:
         yield env, proxy
-
-
-async def sleeper_and_peer(env: CtlEnv) -> tuple[RunningPod, RunningPod]:
-    """Wait until idleness put exactly one of the two workers to sleep (min-active keeps the other)."""
-    workers = env.graph.workers("worker")
-
-    async def one() -> list[RunningPod] | None:
-        sleeping = [p for p in workers if asleep(await get_ws(env.api, p))]
-        return sleeping if len(sleeping) == 1 else None
-    sleeping: list[RunningPod] = await wait_for("one of two workers asleep", one, timeout=180, interval=0.5)
-    peer = next(p for p in workers if p is not sleeping[0])
-    return sleeping[0], peer
 
 
 def worker_tree(pod: RunningPod) -> list[int]:
@@ -133,37 +120,6 @@ def frozen(pod: RunningPod) -> Any:
                 os.kill(pid, signal.SIGCONT)
 
 
-async def wait_verdict(wss: list[Obj], reason: str) -> Obj:
-    """The verdict on the wake that follows: the first WorkerSnapshot version whose verification is of
-    a wake newer than the one on record when the history began (a verdict from before, on its return
-    from a quiesce that was called off, may still be there). It must be False with ``reason``; a wrong
-    verdict fails at once, not at a time-out."""
-    before = ((wss[0].get("status") or {}).get("lastWake") or {}).get("id")
-
-    def of_the_wake(ws: Obj) -> bool:
-        st = ws.get("status") or {}
-        wake = (st.get("lastWake") or {}).get("id")
-        v = (st.get("controller") or {}).get("verification") or {}
-        return bool(wake and wake != before and v.get("wakeId") == wake and v.get("ok") is not None)
-
-    async def found() -> Obj | None:
-        return next((ws for ws in wss if of_the_wake(ws)), None)
-    try:
-        ws: Obj = await wait_for("a verdict on the wake", found, timeout=180, interval=0.2)
-    except TimeoutError:
-        print("LAST STATUS:", yaml.safe_dump((wss[-1] if wss else {}).get("status")))
-        raise
-    assert verdict(reason)(ws), f"wanted Verified=False {reason}, got {cond(ws, 'Verified')}"
-    return ws
-
-
-def verdict(reason: str) -> Any:
-    def check(ws: Obj | None) -> bool:
-        c = cond(ws, "Verified")
-        return bool(c and c["status"] == "False" and c["reason"] == reason)
-    return check
-
-
 async def replace_pod(env: CtlEnv, pod: RunningPod) -> str:
     """The pod gone and another in its place under the same name (the operator's replacement, as the
     API server sees it: a new UID). Returns the new UID."""
@@ -197,7 +153,7 @@ async def test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves(
     async with env_through_proxy(cluster, f"false-{case}-{on_failed_wake}", on_failed_wake) as (env, proxy):
         for p in env.graph.workers("worker"):
             p.kubelet.readiness_window = True  # a worker that stops answering stays Ready for a while
-        pod, peer = await sleeper_and_peer(env)
+        pod, peer = await one_asleep(env.api, env.graph.workers("worker"))
         peer_id = instance_id_from_dwm(await env.api.get(R.DWMS, peer.name, namespace=peer.namespace))
         reason = "PinnedRequestFailed"
         async with contextlib.AsyncExitStack() as stack:

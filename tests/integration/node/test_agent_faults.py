@@ -21,12 +21,12 @@ import json
 import os
 import re
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from controllerenv import asleep, cond, get_ws, verified_after
-from faultsenv import debugger_attached, occupy_ns_pid
+from faultsenv import debugger_attached, error_is, occupy_ns_pid
 from realnodecycle import override, proven, same_pod, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, deployed, upgrade
 from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
@@ -59,13 +59,6 @@ async def bounded(env: Env) -> AsyncIterator[Env]:
 
 def graph(env: Env, name: str, tier: str) -> Obj:
     return chart_node.example_body(env, name=name, worker_replicas=2, policy={"dynsnap.io/tier": tier})
-
-
-def error_is(reason: str, step: str) -> Callable[[Obj | None], bool]:
-    def check(ws: Obj | None) -> bool:
-        err = ((ws or {}).get("status") or {}).get("lastError") or {}
-        return err.get("reason") == reason and err.get("step") == step
-    return check
 
 
 def degraded(ws: Obj, reason: str) -> None:
@@ -137,7 +130,7 @@ async def test_helper_hanging_past_its_bound_is_killed_rolled_back_and_retried(b
         env.driver.control("hang cuCheckpointProcessCheckpoint * 30000")
         try:
             await override(env, w, "suspended")
-            ws = await wait_ws(env, w, "HelperTimeout", error_is("HelperTimeout", "save"), timeout=120)
+            ws = await wait_ws(env, w, "HelperTimeout", error_is("HelperTimeout", step="save"), timeout=120)
             err = ws["status"]["lastError"]
             assert "dynsnap-cuda --action save" in err["message"], err
             assert "no exit within 3.0 s; killed" in err["message"], err
@@ -169,7 +162,7 @@ async def test_lock_that_never_comes_back_fails_the_capture_and_the_worker_serve
         env.driver.control("hang cuCheckpointProcessLock * 30000")
         try:
             await override(env, w, "suspended")
-            ws = await wait_ws(env, w, "CheckpointFailed", error_is("CheckpointFailed", "save"), timeout=120)
+            ws = await wait_ws(env, w, "CheckpointFailed", error_is("CheckpointFailed", step="save"), timeout=120)
             assert "CUDA_ERROR_NOT_READY" in ws["status"]["lastError"]["message"], ws["status"]["lastError"]
             degraded(ws, "CheckpointFailed")
             calls = env.driver.calls()[mark:]
@@ -201,7 +194,7 @@ async def test_criu_cannot_dump_a_traced_worker_and_the_worker_is_rolled_back(bo
         async with debugger_attached(root) as tracer:
             assert f"TracerPid:\t{tracer}" in Path(f"/proc/{root}/status").read_text()
             await override(env, w, "suspended")
-            ws = await wait_ws(env, w, "DumpFailed", error_is("DumpFailed", "dump"), timeout=120)
+            ws = await wait_ws(env, w, "DumpFailed", error_is("DumpFailed", step="dump"), timeout=120)
             err = ws["status"]["lastError"]
             assert "CRIU dump failed" in err["message"], err
             assert re.search(rf"Unable to interrupt task: {ns_pid} \(Operation not permitted\)", err["message"]), err
@@ -232,7 +225,7 @@ async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_fr
         try:
             before = (slept["status"].get("lastWake") or {}).get("id")
             await override(env, w, "active")
-            ws = await wait_ws(env, w, "PidsInUse", error_is("PidsInUse", "restore"), timeout=60)
+            ws = await wait_ws(env, w, "PidsInUse", error_is("PidsInUse", step="restore"), timeout=60)
             err = ws["status"]["lastError"]
             assert f"the capture's pids are taken in the pod's namespace: ['{root}:sleep']" in err["message"], err
             degraded(ws, "PidsInUse")

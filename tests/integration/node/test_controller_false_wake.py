@@ -26,7 +26,7 @@ import contextlib
 import time
 
 import pytest
-from controllerenv import Load, asleep, cond, events_for, gate_of, get_ws, history, policy
+from controllerenv import Load, events_for, gate_of, history, one_asleep, policy, wait_verdict
 from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed
 
 from dynsnap.k8s.client import Obj
@@ -34,7 +34,7 @@ from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
-from dynsnap.testenv.real_graph import Graph, NodePod
+from dynsnap.testenv.real_graph import NodePod
 
 pytestmark = pytest.mark.cluster
 
@@ -46,17 +46,6 @@ def graph(env: Env, name: str) -> Obj:
     body = chart_node.example_body(env, name=name, policy=policy(
         enabled=True, idle_after="2s", tier="suspend", wake_at_inflight=1))
     return component_policy(body, WORKER_COMPONENT, policy(min_active=1, verify_requests=3, on_failed_wake="none"))
-
-
-async def sleeper_and_peer(env: Env, g: Graph) -> tuple[NodePod, NodePod]:
-    """Idleness put exactly one of the two workers to sleep (min-active keeps the other)."""
-    workers = g.workers(WORKER_COMPONENT)
-
-    async def one() -> list[NodePod] | None:
-        sleeping = [p for p in workers if asleep(await get_ws(env.api, p))]
-        return sleeping if len(sleeping) == 1 else None
-    sleeping: list[NodePod] = await wait_for("one of two workers asleep", one, timeout=180, interval=0.5)
-    return sleeping[0], next(p for p in workers if p is not sleeping[0])
 
 
 async def generate_key(env: Env, pod: NodePod) -> tuple[Obj, str]:
@@ -91,32 +80,12 @@ async def change_dwm(env: Env, how: str, pod: NodePod, peer: NodePod) -> str:
     return peer_tcp
 
 
-async def wait_verdict(wss: list[Obj], reason: str) -> Obj:
-    """The verdict on the wake that follows: the first WorkerSnapshot version whose verification is of a
-    wake newer than the one on record when the history began. It must be False with ``reason``; a wrong
-    verdict fails at once, not at a time-out."""
-    before = ((wss[0].get("status") or {}).get("lastWake") or {}).get("id")
-
-    def of_the_wake(ws: Obj) -> bool:
-        st = ws.get("status") or {}
-        wake = (st.get("lastWake") or {}).get("id")
-        v = (st.get("controller") or {}).get("verification") or {}
-        return bool(wake and wake != before and v.get("wakeId") == wake and v.get("ok") is not None)
-
-    async def found() -> Obj | None:
-        return next((ws for ws in wss if of_the_wake(ws)), None)
-    ws: Obj = await wait_for("a verdict on the wake", found, timeout=180, interval=0.2)
-    c = cond(ws, "Verified")
-    assert c and c["status"] == "False" and c["reason"] == reason, f"wanted Verified=False {reason}, got {c}"
-    return ws
-
-
 @pytest.mark.parametrize("case", CASES)
 async def test_a_woken_worker_whose_dwm_changed_is_not_verified_nor_served_while_the_peer_serves(
         env: Env, case: str) -> None:
     async with deployed(env, graph(env, f"false-{case}")) as g:
         assert env.fe is not None  # the graph's frontend (deployed)
-        pod, peer = await sleeper_and_peer(env, g)
+        pod, peer = await one_asleep(env.api, g.workers(WORKER_COMPONENT))
         peer_id = instance_id_from_dwm(await env.api.get(R.DWMS, peer.name, namespace=peer.namespace))
         async with contextlib.AsyncExitStack() as stack:
             pods = await stack.enter_async_context(history(env.api, R.PODS, pod))
