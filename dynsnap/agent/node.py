@@ -58,6 +58,12 @@ from dynsnap.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+# A worker refused for what its container holds (an unsafe path, an unusable entrypoint.json) is looked
+# at again this often: the container may put it right (its entrypoint rewrites its report at each
+# change), and nothing else brings the agent back to a worker whose pod and WorkerSnapshot stay as they
+# are. A look reads one bounded file; the status is written only when it changes.
+CONTAINER_RELOOK_S = 10.0
+
 
 @dataclass
 class NodeAgent:
@@ -185,7 +191,7 @@ class NodeAgent:
             return None
         except ContainerRefused as e:  # an unsafe path or an unusable control file inside the container
             await self._write(ws, S.refused(ws, Verdict(False, e.reason, str(e))))
-            return None
+            return CONTAINER_RELOOK_S
         want, backoff_left = A.effective(ws, self.settings, utcnow())
         if want == DesiredState.SUSPENDED and (key in self._requests or S.woken_by_request(ws)):
             want = DesiredState.ACTIVE  # a request reached it asleep routable: awake until the spec says again

@@ -1,21 +1,20 @@
-"""The node agent treats everything a worker controls as hostile (issue 18), against real pods of
-the local environment, one agent for their node:
+"""The node agent treats everything a worker controls as hostile (issue 18), against pods of the
+local environment's sandboxes, one agent for their node (what moved to the real node, an unusable
+``entrypoint.json`` and a node process forging the helper marker, is node/test_agent_trust.py):
 
 - paths inside the container: a control directory that is a symlink to a node directory, and one
   reached through ``..``, are refused (``Accepted=False``, UnsafeContainerPath, the component named)
   also when a capture is asked, and the node directory is byte for byte what it was; a symlink
   planted at the name an agent used to write its state request through is never followed, and the
   capture and wake go on;
-- what the entrypoint reports: an oversized, malformed, mistyped or symlinked ``entrypoint.json``
-  is refused with its reason, nothing is touched, and the agent goes on serving the node's other
-  workers (one is captured and woken meanwhile);
-- markers any process can forge: a process of the node running an executable named criu, and one in
-  the worker's own tree, both carrying ``DYNSNAP_OP=<the pod's UID>/criu``, change nothing (no
-  ``wait-helper``, nothing killed), while a dynsnap-cuda an earlier agent process left running past its
-  bound is found through the agent's registry and killed.
+- markers a worker can forge: a process in the worker's own tree carrying ``DYNSNAP_OP=<the pod's
+  UID>/criu`` changes nothing (no ``wait-helper``, nothing killed), while a dynsnap-cuda an earlier
+  agent process left running past its bound is found through the agent's registry and killed.
 
-Sandbox, why: it rewrites a worker's control directory between the agent's looks with the agent as
-one process of the test's; not yet moved to the real node.
+Sandbox, why: its workers start with a control directory the pod author chose (a symlink made before
+the entrypoint starts, a path through ``..``) or under a launcher forging the marker, and the agent,
+one process of the test's, is killed and started again while its helper runs; on the real node the
+helper goes with the agent's container.
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ from restart_faults import kill_agent, unhang
 from trustenv import (
     control_dir,
     marked_in_pod,
-    start_forged_on_node,
     start_ticks,
     tree_bytes,
     with_control_dir,
@@ -107,7 +105,6 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
         with_forged_helper(comp("worker")),  # the worker that is captured and woken
         with_control_dir(comp("symlinked"), f"{ctl}/ctl", symlink_to=nodes["symlinked"]),
         with_control_dir(comp("dotdot"), f"{ctl}/../..{nodes['dotdot']}"),
-        comp("tamper"),  # its entrypoint.json is rewritten by the tests
     ]))
     agent = AgentProc(g.workers("worker")[0].node, kubeconfig, work / "agent", driver,
                       extra=["--failure-backoff", "1", "--failure-backoff-max", "4",
@@ -117,7 +114,7 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
         assert {p.node for ps in g.pods.values() for p in ps} == {agent.node}, "one node, one agent"
         await agent.start()
         await fe.wait_model()
-        ids = {c: await D.instance_id(cluster, g.workers(c)[0]) for c in ("worker", "symlinked", "dotdot", "tamper")}
+        ids = {c: await D.instance_id(cluster, g.workers(c)[0]) for c in ("worker", "symlinked", "dotdot")}
         yield Env(g, fe, agent, driver, work, ids, nodes)
     finally:
         await fe.close()
@@ -156,26 +153,6 @@ async def _release(cluster: LocalCluster, pod: RunningPod) -> None:
     with contextlib.suppress(NotFound):
         await cluster.api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
     await quiesce(cluster, pod, serving=True)
-
-
-def _replace(path: Path, content: bytes) -> None:
-    """``path`` holds ``content``, replaced in one step (as the worker could)."""
-    tmp = path.parent / ".tampered"
-    tmp.write_bytes(content)
-    tmp.rename(path)
-
-
-async def _release_then_restore(cluster: LocalCluster, pods: tuple[RunningPod, ...], path: Path,
-                                genuine: bytes) -> None:
-    """Each of ``pods`` released, then the entrypoint's own control file back (also where a release
-    failed). In that order: restored while a WorkerSnapshot still asks for Suspended and the gate is
-    still False, the agent's next look (the echo of its own refusal, a pod event) finds a valid worker
-    out of serving and rightly captures it."""
-    try:
-        for pod in pods:
-            await _release(cluster, pod)
-    finally:
-        _replace(path, genuine)
 
 
 def _ep_state(path: Path) -> str:
@@ -247,81 +224,13 @@ async def test_a_symlink_planted_at_the_agents_former_temp_name_is_never_followe
         await _release(cluster, pod)
 
 
-# -- what the entrypoint reports -------------------------------------------------------------------
-
-def _tampered(case: str, genuine: dict[str, object], node_file: Path) -> bytes | None:
-    if case == "oversized":  # valid JSON, every field right, past the 64 KiB bound
-        return json.dumps({**genuine, "padding": "x" * 100_000}).encode()
-    if case == "malformed":
-        return b'{"format": 1, "state": "act'
-    if case == "wrong-types":
-        return json.dumps({**genuine, "request_seq": "7", "pid_reserved": "yes", "worker_pid": -5}).encode()
-    node_file.write_text(json.dumps(genuine))  # symlink: a node file holding a right-looking control file
-    return None
-
-
-@pytest.mark.parametrize(("case", "reason", "says"), [
-    ("oversized", "EntrypointUnreadable", "is larger than 65536 bytes"),
-    ("malformed", "EntrypointUnreadable", "not JSON"),
-    ("wrong-types", "EntrypointUnreadable", "request_seq: Input should be a valid integer"),
-    ("symlink", "UnsafeContainerPath", "/run/dynsnap/entrypoint.json' is a symlink"),
-], ids=["oversized", "malformed", "wrong-types", "symlink"])
-async def test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched(
-        cluster: LocalCluster, env: Env, case: str, reason: str, says: str) -> None:
-    pod = env.pod("tamper")
-    ctl = control_dir(pod)
-    path = ctl / P.ENTRYPOINT_CONTROL_FILE
-    genuine = path.read_bytes()
-    node_file = env.work / "node" / f"entrypoint-{case}.json"
-    content = _tampered(case, json.loads(genuine), node_file)
-    node_before = node_file.read_bytes() if node_file.exists() else None
-    tmp = ctl / ".tampered"
-    if content is None:
-        tmp.symlink_to(node_file)
-    else:
-        tmp.write_bytes(content)
-    tmp.rename(path)  # as the worker could: in one step
-    mark = len(env.driver.calls())
-    try:
-        await _refused(cluster, env, pod, reason, says)
-        assert P.ENTRYPOINT_REQUEST_FILE not in os.listdir(ctl), "a request reached the entrypoint"
-        assert state_changes_since(env.driver, mark) == []
-        if node_before is not None:
-            assert node_file.read_bytes() == node_before
-    finally:
-        await _release_then_restore(cluster, (pod,), path, genuine)
-    await _pinned(env, "tamper")
-
-
-async def test_the_agent_serves_its_other_workers_while_some_are_refused(cluster: LocalCluster, env: Env) -> None:
-    api = cluster.api
-    tamper, symlinked, worker = env.pod("tamper"), env.pod("symlinked"), env.pod("worker")
-    path = control_dir(tamper) / P.ENTRYPOINT_CONTROL_FILE
-    genuine = path.read_bytes()
-    _replace(path, b"\xff not json")
-    await api.create(R.WORKER_SNAPSHOTS, ws_body(worker, tier="suspend"))
-    try:
-        await _refused(cluster, env, tamper, "EntrypointUnreadable", "not JSON")
-        await _refused(cluster, env, symlinked, "UnsafeContainerPath", "is a symlink")
-        asleep, awake = await _cycle(cluster, env, worker)
-        assert _steps(asleep, "lastCapture") == ["quiesce", "save", "settle-suspended"]
-        assert _steps(awake, "lastWake") == ["wake", "resume", "settle-active"]
-        for pod in (tamper, symlinked):  # still refused, each for its own reason
-            ws = await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-            accepted = condition(ws, "Accepted")
-            assert accepted is not None and accepted["status"] == "False", accepted
-    finally:
-        await _release_then_restore(cluster, (tamper, symlinked, worker), path, genuine)
-
-
 # -- markers any process can forge ------------------------------------------------------------------
 
 async def test_a_forged_helper_marker_changes_nothing(cluster: LocalCluster, env: Env) -> None:
     pod = env.pod("worker")
     in_pod = marked_in_pod(pod)
     assert len(in_pod) == 1, f"the worker's own forged helper runs in its tree: {in_pod}"
-    on_node = start_forged_on_node(env.work, pod.uid)
-    forged = {pid: start_ticks(pid) for pid in (*in_pod, on_node.pid)}
+    forged = {pid: start_ticks(pid) for pid in in_pod}
     await cluster.api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
     try:
         asleep, awake = await _cycle(cluster, env, pod)
@@ -330,8 +239,6 @@ async def test_a_forged_helper_marker_changes_nothing(cluster: LocalCluster, env
         assert _steps(awake, "lastWake") == ["wake", "resume", "settle-active"], awake["status"]
         assert {pid: start_ticks(pid) for pid in forged} == forged, "a forged process was killed"
     finally:
-        on_node.kill()
-        on_node.wait(timeout=10)
         await _release(cluster, pod)
 
 

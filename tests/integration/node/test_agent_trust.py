@@ -1,0 +1,224 @@
+"""The chart's privileged agent treats what a worker's container says about itself as hostile (issue 18),
+on the real node (kubelet, containerd, runc; dynsnap installed by ``helm install``: realnodeenv.py),
+moved from the sandbox suite test_agent_trust.py: the entrypoint's report rewritten inside a real
+container, and the old helper marker forged on a process of the node.
+
+The worker's ``/run/dynsnap/entrypoint.json`` (on the control-directory emptyDir of
+examples/dgd/agg.yaml, which anything in the container can write) is replaced in one step, as the
+worker could, by one that is oversized, malformed, of the wrong types, or a symlink to a file of the
+node holding a right-looking report. Then the worker is asked to sleep (its override, as ``dynsnap
+suspend``). The agent refuses it (``Accepted=False`` with ``EntrypointUnreadable`` or
+``UnsafeContainerPath`` and what was wrong), and nothing is touched: no request reaches the
+entrypoint, no driver call changes a state, the worker process and its container are the same, the
+node's file is byte for byte what it was. Once the worker is asked to serve and its genuine report is
+back, it is accepted and answers requests pinned to it, the same pod.
+
+While one worker stays refused, the agent serves the node's other workers: a peer is captured and woken
+in place, verified, with a process of the node named criu carrying ``DYNSNAP_OP=<the peer's pod
+UID>/criu`` (what agents before issue 18 took for their helper) beside it, never waited for nor killed.
+
+The graph has three workers: a refused worker is counted neither awake nor asleep, so the peer may
+sleep only while the third serves (``min-active: 1``). One graph for the module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from controllerenv import cond, get_ws, history
+from realnodecycle import cycle, override, same_pod, wait_ws
+from realnodeenv import WORKER_COMPONENT, Env, deployed
+from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
+from refusalenv import state_changes_since
+from trustenv import start_forged_on_node, start_ticks
+
+from dynsnap.k8s.client import Obj
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.real_graph import Graph, NodePod
+
+pytestmark = pytest.mark.cluster
+
+RUNNING = 0  # the stub driver's state of a process that runs
+QUIET_S = 6.0  # a pod and WorkerSnapshot unchanged this long: nobody is about to change them
+CASES = {
+    "oversized": ("EntrypointUnreadable", "is larger than 65536 bytes"),
+    "malformed": ("EntrypointUnreadable", "not JSON"),
+    "wrong-types": ("EntrypointUnreadable", "request_seq: Input should be a valid integer"),
+    "symlink": ("UnsafeContainerPath", "/run/dynsnap/entrypoint.json' is a symlink"),
+}
+
+
+@dataclass
+class Trio:
+    graph: Graph
+    work: Path
+
+    @property
+    def workers(self) -> list[NodePod]:
+        return self.graph.workers(WORKER_COMPONENT)
+
+
+@pytest.fixture(scope="module")
+async def trio(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Trio]:
+    body = chart_node.example_body(env, name="trust", worker_replicas=3, policy={"dynsnap.io/tier": "suspend"})
+    async with deployed(env, body) as g:
+        yield Trio(g, tmp_path_factory.mktemp("trust-node"))
+
+
+def tampered(case: str, genuine: Obj, node_file: Path) -> bytes | None:
+    """What the worker puts in place of its report (None: a symlink to ``node_file``, written here)."""
+    if case == "oversized":  # valid JSON, every field right, past the 64 KiB bound
+        return json.dumps({**genuine, "padding": "x" * 100_000}).encode()
+    if case == "malformed":
+        return b'{"format": 1, "state": "act'
+    if case == "wrong-types":
+        return json.dumps({**genuine, "request_seq": "7", "pid_reserved": "yes", "worker_pid": -5}).encode()
+    node_file.write_text(json.dumps(genuine))  # a node file holding a right-looking report
+    return None
+
+
+def refused(reason: str, says: str) -> Callable[[Obj | None], bool]:
+    def check(ws: Obj | None) -> bool:
+        c = cond(ws, "Accepted")
+        return bool(c and c["status"] == "False" and c["reason"] == reason and says in c["message"])
+    return check
+
+
+def replace(report: Path, content: bytes | Path) -> None:
+    """``report`` replaced in one step, as the worker could: by ``content``'s bytes, or (a Path) by a
+    symlink to that file of the node."""
+    tmp = report.parent / ".replacing"
+    if isinstance(content, Path):
+        tmp.symlink_to(content)
+    else:
+        tmp.write_bytes(content)
+    tmp.rename(report)
+
+
+async def pinned(env: Env, w: NodePod, n: int = 2) -> None:
+    assert env.fe is not None
+    iid = instance_id_from_dwm(await env.api.get(R.DWMS, w.name, namespace=w.namespace))
+    await env.fe.wait_routable(iid, timeout=120)
+    for i in range(n):
+        res = await env.fe.chat(f"still yours {i}", worker_id=iid, max_tokens=2)
+        assert res.status == 200 and res.worker_id == iid, res.body
+
+
+async def serve_again(env: Env, w: NodePod, report: Path, genuine: bytes, first: KubeletFacts) -> None:
+    """Asked to serve first, then its genuine report back: restored while Suspended is still asked and
+    the worker is out of serving, the agent's next look would rightly capture it. Accepted again, it
+    answers requests pinned to it, the same pod."""
+    try:
+        await override(env, w, "active")
+        await wait_ws(env, w, "Active asked", lambda ws: bool(ws and ws["spec"]["desiredState"] == "Active"),
+                      timeout=120)
+    finally:
+        replace(report, genuine)
+    await wait_ws(env, w, "accepted again", lambda ws: bool((c := cond(ws, "Accepted")) and c["status"] == "True"),
+                  timeout=120)
+    await pinned(env, w)
+    await same_pod(env, w, first)
+    await override(env, w, None)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_an_unusable_entrypoint_report_in_a_real_container_is_refused_and_nothing_is_touched(
+        env: Env, trio: Trio, case: str) -> None:
+    reason, says = CASES[case]
+    w = trio.workers[0]
+    first = await kubelet_facts(env.api, w)
+    procs = container_procs(w.uid, first.container_id)
+    ctl = Path(f"/proc/{procs.entrypoint}/root") / P.ENTRYPOINT_CONTROL_DIR.lstrip("/")
+    report = ctl / P.ENTRYPOINT_CONTROL_FILE
+    genuine = report.read_bytes()
+    node_file = trio.work / f"entrypoint-{case}.json"
+    content = tampered(case, json.loads(genuine), node_file)
+    node_before = node_file.read_bytes() if node_file.exists() else None
+    mark = len(env.driver.calls())
+    replace(report, node_file if content is None else content)
+    try:
+        await override(env, w, "suspended")
+        ws = await wait_ws(env, w, f"refused {reason}", refused(reason, says), timeout=120)
+        print(f"\n[{case}] Accepted=False {reason}: {(cond(ws, 'Accepted') or {}).get('message', '')[-300:]}")
+        st = ws.get("status") or {}
+        assert "lastCapture" not in st and st.get("state") != "Suspended", st
+        assert state_changes_since(env.driver, mark) == [], "the driver was asked to change a state"
+        assert P.ENTRYPOINT_REQUEST_FILE not in [p.name for p in ctl.iterdir()], "a request reached the entrypoint"
+        assert stub_state(env.driver, procs.root) == RUNNING
+        assert container_procs(w.uid, first.container_id).root == procs.root, "the same worker process"
+        if node_before is not None:
+            assert node_file.read_bytes() == node_before, "the node's file was written through the symlink"
+    finally:
+        await serve_again(env, w, report, genuine, first)
+
+
+async def test_the_agent_serves_its_other_workers_while_one_is_refused(env: Env, trio: Trio) -> None:
+    w, peer, _third = trio.workers
+    first = await kubelet_facts(env.api, w)
+    procs = container_procs(w.uid, first.container_id)
+    report = Path(f"/proc/{procs.entrypoint}/root") / P.ENTRYPOINT_CONTROL_DIR.lstrip("/") / P.ENTRYPOINT_CONTROL_FILE
+    genuine = report.read_bytes()
+    forged = start_forged_on_node(trio.work, peer.uid)  # the old marker, with the peer's UID
+    ticks = start_ticks(forged.pid)
+    replace(report, b"\xff not json")
+    try:
+        await override(env, w, "suspended")
+        await wait_ws(env, w, "refused", refused("EntrypointUnreadable", "not JSON"), timeout=120)
+        steps: dict[str, list[str]] = {}
+
+        async def still_refused(slept: Obj) -> None:
+            steps["capture"] = [s["name"] for s in slept["status"]["lastCapture"]["steps"]]
+            assert refused("EntrypointUnreadable", "not JSON")(await get_ws(env.api, w))
+        woken = await cycle(env, peer, "suspend", still_refused)
+        # no wait for a "helper", no HelperTimeout for it: the agent took the forged process for nothing
+        assert steps["capture"] == ["quiesce", "save", "settle-suspended"], steps
+        assert [s["name"] for s in woken["status"]["lastWake"]["steps"]] == ["wake", "resume", "settle-active"], \
+            woken["status"]["lastWake"]
+        assert start_ticks(forged.pid) == ticks, "the forged process was killed"
+        assert refused("EntrypointUnreadable", "not JSON")(await get_ws(env.api, w)), "still refused"
+        # Its report made right again while nobody changes its pod or WorkerSnapshot: the agent looks
+        # again by itself (CONTAINER_RELOOK_S) and accepts it; the first change to either is that.
+        await override(env, w, "active")
+        await wait_ws(env, w, "Active asked", lambda ws: bool(ws and ws["spec"]["desiredState"] == "Active"),
+                      timeout=120)
+        await wait_for(f"{w.name}'s pod and WorkerSnapshot unchanged for {QUIET_S:g}s", quiet(env, w),
+                       timeout=120, interval=QUIET_S)
+        async with history(env.api, R.PODS, w) as pods, history(env.api, R.WORKER_SNAPSHOTS, w) as wss:
+            replace(report, genuine)
+            accepted = await wait_ws(env, w, "accepted again", lambda ws: bool(
+                (c := cond(ws, "Accepted")) and c["status"] == "True"), timeout=120)
+            at = int(accepted["metadata"]["resourceVersion"])
+
+            async def caught_up() -> bool:
+                return any(int(v["metadata"]["resourceVersion"]) >= at for v in wss)
+            await wait_for("the watch on the WorkerSnapshot at the accepting version", caught_up, timeout=30)
+        first_change = next(v for v in wss[1:] if int(v["metadata"]["resourceVersion"]) > int(
+            wss[0]["metadata"]["resourceVersion"]))
+        assert cond(first_change, "Accepted") == cond(accepted, "Accepted"), \
+            ("the WorkerSnapshot changed before the agent accepted the worker", cond(first_change, "Accepted"))
+        assert all(int(p["metadata"]["resourceVersion"]) > at for p in pods[1:]), "the pod changed first"
+    finally:
+        forged.kill()
+        forged.wait(timeout=10)
+        await serve_again(env, w, report, genuine, first)
+
+
+def quiet(env: Env, w: NodePod) -> Callable[[], Awaitable[bool]]:
+    """True once ``w``'s pod and WorkerSnapshot are as they were at the previous call."""
+    last: list[tuple[str, str]] = []
+
+    async def check() -> bool:
+        now = ((await env.api.get(R.PODS, w.name, namespace=w.namespace))["metadata"]["resourceVersion"],
+               (await env.api.get(R.WORKER_SNAPSHOTS, w.name, namespace=w.namespace))["metadata"]["resourceVersion"])
+        same = bool(last) and last[-1] == now
+        last.append(now)
+        return same
+    return check
