@@ -61,9 +61,10 @@ BUDGET = FAULTS + "test_capture_over_the_disk_budget_is_refused_before_it_starts
 PIDFLOOR = ("tests/integration/node/test_controller_refusals.py::"
             "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again[PidReservationMissing]")
 CRIU_FDS = "tests/integration/node/test_agent.py::test_a_worker_through_each_tier_and_back_is_the_same_worker[snapshot]"
-SERVING = REFUSALS + "test_capture_of_a_worker_still_in_serving_is_refused_until_it_is_quiesced"
+NODE_REFUSALS = "tests/integration/node/test_agent_refusals.py::"
+SERVING = NODE_REFUSALS + "test_a_capture_of_a_worker_still_in_serving_is_refused_until_it_is_out"
 EXEC_SERVING = "tests/native/test_agent_exec.py::test_exec_refuses_a_capture_not_confirmed_out_of_serving"
-WRONG_UID = REFUSALS + "test_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing[uid-of-another-pod]"
+WRONG_UID = NODE_REFUSALS + "test_the_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing[uid-of-another-pod]"
 ADMIT_UNIT = "tests/unit/test_agent_admit.py"
 NCCL = REFUSALS + "test_ranks_on_nccl_without_the_settings_the_driver_needs_are_refused_before_any_lock"
 RESERVE_UNIT = "tests/unit/test_agent_images.py::test_captures_at_once_each_count_the_others_reservation"
@@ -90,8 +91,10 @@ U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
 U_HELPERS = "tests/unit/test_agent_helpers.py::"
 TRUST = "tests/integration/test_agent_trust.py::"
 NODE_DIR = TRUST + "test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched"
-TAMPERED = TRUST + "test_an_unusable_entrypoint_report_is_refused_and_nothing_is_touched"
 FORGED = TRUST + "test_a_forged_helper_marker_changes_nothing"
+NODE_TRUST = "tests/integration/node/test_agent_trust.py::"
+TAMPERED = NODE_TRUST + "test_an_unusable_entrypoint_report_in_a_real_container_is_refused_and_nothing_is_touched"
+REFUSED_PEER = NODE_TRUST + "test_the_agent_serves_its_other_workers_while_one_is_refused"
 STALE_RECORD = U_HELPERS + "test_a_record_whose_process_is_another_is_stale_and_nothing_is_signalled"
 
 MUTATIONS = (
@@ -336,7 +339,7 @@ MUTATIONS = (
         "for p in procfs.pids(self.proc) if procfs.environ(p, self.proc).get(\"DYNSNAP_OP\", \"\")"
         ".startswith(f\"{uid}/\") and (s := _stat(p, self.proc)) is not None]\n"
         "        for path, rec in self._records() + marked:\n            st = self._matches(rec)\n",
-        tests=[U_HELPERS + "test_a_forged_marker_is_no_helper", FORGED]),
+        tests=[U_HELPERS + "test_a_forged_marker_is_no_helper", FORGED, REFUSED_PEER]),
     mutation(
         "helper-gone-is-an-error", "a helper that exited before its record was written fails its step", HELPERS,
         "                                                                            else parent):\n"
@@ -375,6 +378,13 @@ MUTATIONS = (
         "    wrong = CG.check(w.entrypoint, [p.pid for p in tree], ex.proc) if tree else []\n",
         "    wrong: list[str] = []\n",
         tests=[U_CGROUP + "test_a_tree_restored_outside_its_container_is_killed_and_the_capture_kept"]),
+    # -- issue 19: a refusal for what a container holds is looked at again -----------------------------
+    mutation(
+        "container-refusal-final", "a worker refused for its container's contents is never looked at again "
+        "until its pod or WorkerSnapshot changes", NODE,
+        "            return CONTAINER_RELOOK_S\n",
+        "            return None\n",
+        tests=[REFUSED_PEER]),
 )
 
 SUITE = Suite(

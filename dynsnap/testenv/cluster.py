@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import resources as pkg_resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -38,6 +38,16 @@ log = logging.getLogger(__name__)
 NODES = ("node-a", "node-b")
 TEST_NAMESPACE = "dynamo"
 DYNAMO_USER = "dynamo-pod"  # the identity Dynamo's frontend and workers use (pods' service account stand-in)
+
+
+class Named(Protocol):
+    """A pod by name: a sandboxed pod (RunningPod) or one a real node runs (real_graph.NodePod)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
 
 
 async def wait_for(what: str, check: Any, *, timeout: float, interval: float = 0.1) -> Any:
@@ -262,7 +272,7 @@ class LocalCluster:
                     return dict(ep)
         return None
 
-    async def set_serving_gate(self, pod: RunningPod, value: bool) -> None:
+    async def set_serving_gate(self, pod: Named, value: bool) -> None:
         """Set dynsnap's readiness-gate condition the way dynsnap does: its own field manager,
         server-side apply on the status subresource, no force."""
         await self.api.apply(R.PODS, {"metadata": {"name": pod.name, "namespace": pod.namespace},

@@ -184,7 +184,7 @@ def image_files(agents: list[AgentProc]) -> list[Path]:
     return [p for a in agents if a.images_root.exists() for p in a.images_root.rglob("*")]
 
 
-async def worker_metrics(pod: RunningPod, *, port: int = P.DYNAMO_SYSTEM_PORT) -> str:
+async def worker_metrics(pod: D.HasIP, *, port: int = P.DYNAMO_SYSTEM_PORT) -> str:
     async with httpx.AsyncClient(timeout=5.0) as http:
         r = await http.get(f"http://{pod.ip}:{port}/metrics")
         r.raise_for_status()

@@ -1,0 +1,360 @@
+"""The chart's agent on the real node refuses what it must not act on, and names why, with nobody else
+acting on its workers: moved from the sandbox suite test_agent_refusals.py. The module deploys
+examples/dgd/agg.yaml (two workers, the mocker slowed so a long request stays in flight), then scales
+the chart's controller Deployment to 0 (``kubectl scale``; the chart's schema rightly refuses
+``controller.replicas: 0``) and plays the controller itself (the WorkerSnapshots' ``desiredState`` and
+the serving gate), as the sandbox suite did; scaled back to 1 after.
+
+- Specs the API server accepts but that name the wrong pod (a pod whose UID is another's, a pod of
+  another namespace, the frontend's pod, which did not opt in, a gated pod not under
+  dynsnap-entrypoint, a pod of a kwok node) are refused (``Accepted=False`` with the reason), also
+  when ``Suspended`` is asked with the pods out of serving, and the workers they could reach stay as
+  they were: the same process under an active entrypoint, its stand-in driver state running, no
+  driver state change, no image of theirs on the node; then back in serving, answering pinned
+  requests.
+- The serving guard: a capture of a worker still in serving (its ``dynsnap.io/serving`` gate True, or
+  requests in flight by its own metrics) is refused before any change, and goes ahead once it is not;
+  the worker woken after is the same, answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+from controllerenv import cond
+from realnodecycle import wait_ws
+from realnodeenv import NS, RELEASE, WORKER_COMPONENT, Env
+from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
+from refusalenv import (
+    StreamedChat,
+    hostile_ws,
+    metric_names,
+    metric_sum,
+    observed,
+    refused_or_capturing,
+    state_changes_since,
+    stream_chat,
+    wait_ws_at,
+    worker_metrics,
+)
+
+from dynsnap.agent.idle import INFLIGHT, REQUESTS
+from dynsnap.k8s.client import Obj
+from dynsnap.k8s.errors import Conflict, NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.models.resources import Resource
+from dynsnap.testenv import chart_node, real_graph
+from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, wait_for
+from dynsnap.testenv.real_graph import Graph, NodePod
+
+pytestmark = pytest.mark.cluster
+
+OTHER_NS = "refusal-other"  # a namespace with no pods: a WorkerSnapshot there names none of them
+SLOW = 0.2  # the mocker's speed: 1000 tokens take about 30 s, a pinned 2-token answer well under one
+LONG_TOKENS = 1000
+RUNNING = 0  # the stand-in driver's state of a process that runs
+DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
+
+
+@dataclass
+class Alone:
+    graph: Graph
+    bare: NodePod  # gated (dynsnap.io/serving) but not under dynsnap-entrypoint
+    kwok: NodePod  # a pod of a kwok node
+
+    def worker(self, i: int) -> NodePod:
+        return self.graph.workers(WORKER_COMPONENT)[i]
+
+
+def _pod(env: Env, name: str, *, node: str, gated: bool) -> Obj:
+    spec: Obj = {"nodeName": node, "terminationGracePeriodSeconds": 1, "containers": [{
+        "name": "main", "image": env.images["dynsnap-entrypoint"], "imagePullPolicy": "Never",
+        "command": ["/bin/busybox", "sleep", "100000"]}]}
+    if gated:
+        spec["readinessGates"] = [{"conditionType": P.CONDITION_SERVING}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": TEST_NAMESPACE}, "spec": spec}
+
+
+async def _running(env: Env, name: str) -> NodePod:
+    async def up() -> Obj | None:
+        p = await env.api.get(R.PODS, name, namespace=TEST_NAMESPACE)
+        running = any("running" in (c.get("state") or {}) for c in p["status"].get("containerStatuses") or [])
+        return p if running and p["status"].get("podIP") else None
+    p = await wait_for(f"pod {name} running", up, timeout=120, interval=0.5)
+    return NodePod(name, TEST_NAMESPACE, p["metadata"]["uid"], p["status"]["podIP"], p["spec"]["nodeName"])
+
+
+@pytest.fixture(scope="module")
+async def alone(env: Env) -> AsyncIterator[Alone]:
+    body = chart_node.example_body(env, name="rfs", worker_replicas=2, speedup_ratio=SLOW,
+                                   policy={"dynsnap.io/tier": "suspend"})
+    graph = await chart_node.deploy_example(env, body)
+    extra = {"rfs-bare": _pod(env, "rfs-bare", node=env.node.name, gated=True),
+             "rfs-kwok": _pod(env, "rfs-kwok", node=NODES[0], gated=False)}
+    try:
+        with contextlib.suppress(Conflict):
+            await env.api.create(R.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace",
+                                                "metadata": {"name": OTHER_NS}})
+        for pod in extra.values():
+            await env.api.create(R.PODS, pod)
+        bare, kwok = [await _running(env, n) for n in extra]
+        # The controller made each worker's WorkerSnapshot and set its gate; now nobody but the test does.
+        await scale_controller(env, 0)
+        yield Alone(graph, bare, kwok)
+    except BaseException:
+        print(await chart_node.graph_logs(env, graph))
+        raise
+    finally:
+        for name in extra:
+            with contextlib.suppress(NotFound):
+                await env.api.delete(R.PODS, name, namespace=TEST_NAMESPACE)
+        chart_node.keep_pod_logs(env)
+        await real_graph.teardown(env.api, graph)
+        env.graphs.remove(graph)
+        with contextlib.suppress(NotFound):
+            await env.api.delete(R.NAMESPACES, OTHER_NS)
+        await scale_controller(env, 1)
+
+
+async def scale_controller(env: Env, replicas: int) -> None:
+    """``kubectl scale`` of the chart's controller Deployment; returns once its pods are that many,
+    Ready, none terminating."""
+    (dep,) = (await env.api.list(DEPLOYMENTS, namespace=NS, label_selector=(
+        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=controller")))["items"]
+    await env.api.merge_patch(DEPLOYMENTS, dep["metadata"]["name"], {"spec": {"replicas": replicas}}, namespace=NS)
+
+    async def scaled() -> bool:
+        pods = await env.chart_pods("controller")
+        return len(pods) == replicas and all(chart_node.pod_ready(p) and not p["metadata"].get("deletionTimestamp")
+                                             for p in pods)
+    await wait_for(f"the chart's controller scaled to {replicas}", scaled, timeout=180, interval=1)
+
+
+async def gate(env: Env, pod: NodePod, serving: bool) -> None:
+    """Play the controller: the worker out of serving (or back in) by its gate, as kubelet then says."""
+    await env.cluster.set_serving_gate(pod, serving)
+    await env.cluster.wait_ready(pod.namespace, pod.name, ready=serving, timeout=60)
+
+
+async def set_desired(env: Env, pod: NodePod, desired: str) -> Obj:
+    patched: Obj = await env.api.merge_patch(R.WORKER_SNAPSHOTS, pod.name, {"spec": {"desiredState": desired}},
+                                             namespace=pod.namespace)
+    return patched
+
+
+async def pinned(env: Env, pod: NodePod, n: int = 2) -> None:
+    assert env.fe is not None
+    iid = instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
+    await env.fe.wait_routable(iid, timeout=120)
+    for i in range(n):
+        res = await env.fe.chat(f"pinned {i}", worker_id=iid, max_tokens=2)
+        assert res.status == 200 and res.worker_id == iid, res.body
+
+
+@dataclass(frozen=True)
+class Look:
+    """A worker as the kernel, its entrypoint and the stand-in driver show it."""
+
+    container_id: str
+    root: int
+
+    @classmethod
+    async def of(cls, env: Env, pod: NodePod) -> Look:
+        facts = await kubelet_facts(env.api, pod)
+        return cls(facts.container_id, container_procs(pod.uid, facts.container_id).root)
+
+
+def untouched(env: Env, pods: dict[NodePod, Look], mark: int) -> None:
+    """Nothing was done to ``pods``: the same process runs each under an active entrypoint, its driver
+    state running; no driver call changed a state since ``mark``; no image of theirs on the node."""
+    for pod, look in pods.items():
+        procs = container_procs(pod.uid, look.container_id)
+        assert procs.root == look.root, f"{pod.name}: another worker process"
+        info = control_file(procs.entrypoint)
+        assert info["state"] == P.EntrypointState.ACTIVE.value and info["worker_alive"] is True, info
+        assert stub_state(env.driver, look.root) == RUNNING
+    assert state_changes_since(env.driver, mark) == []
+    images = env.paths.images
+    mine = [p.name for p in images.iterdir() if any(pod.uid in p.name for pod in pods)] if images.is_dir() else []
+    assert mine == [], mine
+
+
+# -- specs the API accepts and the agent refuses -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Hostile:
+    body: Obj
+    targets: list[NodePod]  # the workers it could reach (by name or UID): none of them may change
+    gated: list[NodePod]  # the pods it names that have the gate: taken out of serving while it is asked
+    reason: str
+    message: str  # what the Accepted condition's message must say
+
+
+def hostile(env: Env, a: Alone, case: str) -> Hostile:
+    w0, w1, node = a.worker(0), a.worker(1), env.node.name
+    if case == "uid-of-another-pod":
+        # Acted on, it would capture worker-1: the agent finds a pod's processes by its UID in /proc.
+        return Hostile(hostile_ws(name=a.bare.name, namespace=a.bare.namespace, node=node, pod_name=a.bare.name,
+                                  pod_uid=w1.uid), [w1], [a.bare, w1], P.Reason.POD_UID_MISMATCH.value,
+                       f"pod {a.bare.name} has UID {a.bare.uid}, the spec names {w1.uid}")
+    if case == "pod-of-another-namespace":
+        return Hostile(hostile_ws(name=w0.name, namespace=OTHER_NS, node=node, pod_name=w0.name, pod_uid=w0.uid),
+                       [w0], [w0], P.Reason.POD_NOT_FOUND.value, f"pod {OTHER_NS}/{w0.name} does not exist")
+    if case == "not-opted-in":
+        fe = a.graph.frontend
+        return Hostile(hostile_ws(name=fe.name, namespace=fe.namespace, node=node, pod_name=fe.name,
+                                  pod_uid=fe.uid), [], [], P.Reason.NOT_OPTED_IN.value,
+                       f"pod has no readiness gate {P.CONDITION_SERVING}")
+    if case == "not-under-entrypoint":
+        return Hostile(hostile_ws(name=a.bare.name, namespace=a.bare.namespace, node=node, pod_name=a.bare.name,
+                                  pod_uid=a.bare.uid), [], [a.bare], P.Reason.NOT_UNDER_ENTRYPOINT.value,
+                       "no container runs dynsnap-entrypoint as its PID 1")
+    assert case == "pod-on-another-node"
+    # Labelled for the real node, whose agent refuses it: the pod runs on a kwok node.
+    return Hostile(hostile_ws(name=a.kwok.name, namespace=a.kwok.namespace, node=node, pod_name=a.kwok.name,
+                              pod_uid=a.kwok.uid), [], [], P.Reason.WRONG_NODE.value,
+                   f"pod runs on {a.kwok.node!r}, this agent serves {node!r}")
+
+
+@pytest.mark.parametrize("case", ["uid-of-another-pod", "pod-of-another-namespace", "not-opted-in",
+                                  "not-under-entrypoint", "pod-on-another-node"])
+async def test_the_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing(env: Env, alone: Alone,
+                                                                                 case: str) -> None:
+    api = env.api
+    h = hostile(env, alone, case)
+    ns, name = h.body["metadata"]["namespace"], h.body["metadata"]["name"]
+    looks = {p: await Look.of(env, p) for p in h.targets}
+    mark = len(env.driver.calls())
+    created = await api.create(R.WORKER_SNAPSHOTS, h.body)
+    try:
+        ws = await wait_ws_at(api, ns, name, "refused", observed(created["metadata"]["generation"]))
+        accepted = cond(ws, "Accepted")
+        assert accepted is not None and (accepted["status"], accepted["reason"]) == ("False", h.reason), accepted
+        assert h.message in accepted["message"], accepted["message"]
+        assert ws["status"]["state"] == P.ObservedState.UNKNOWN.value
+        # Asked to sleep, with every gated pod it names out of serving, as the controller would leave
+        # them: only the refusal stands between the spec and a capture.
+        for pod in h.gated:
+            await env.cluster.set_serving_gate(pod, False)
+        patched = await api.merge_patch(R.WORKER_SNAPSHOTS, name, {"spec": {"desiredState": "Suspended"}},
+                                        namespace=ns)
+        ws = await wait_ws_at(api, ns, name, "Suspended refused", observed(patched["metadata"]["generation"]))
+        accepted = cond(ws, "Accepted")
+        assert accepted is not None and (accepted["status"], accepted["reason"]) == ("False", h.reason), accepted
+        assert "lastCapture" not in ws["status"] and "lastError" not in ws["status"], ws["status"]
+        untouched(env, looks, mark)
+    finally:
+        with contextlib.suppress(NotFound):
+            await api.delete(R.WORKER_SNAPSHOTS, name, namespace=ns)
+        for pod in h.gated:
+            await env.cluster.set_serving_gate(pod, True)
+    for pod in h.targets:
+        await env.cluster.wait_ready(pod.namespace, pod.name, timeout=60)
+        await pinned(env, pod, n=1)
+    untouched(env, looks, mark)
+
+
+# -- the serving guard ---------------------------------------------------------------------------------
+
+def state_is(state: str, *, suspended: bool | None = None) -> Callable[[Obj | None], bool]:
+    def check(ws: Obj | None) -> bool:
+        st = (ws or {}).get("status") or {}
+        c = cond(ws, "Suspended")
+        return st.get("state") == state and (suspended is None or (
+            c is not None and c["status"] == ("True" if suspended else "False")))
+    return check
+
+
+async def sleep_then_wake(env: Env, pod: NodePod, look: Look) -> None:
+    """Once nothing holds the capture: asleep (the capture's steps), woken, back in serving, the same
+    worker answering requests pinned to it."""
+    asleep = await wait_ws(env, pod, "Suspended", state_is("Suspended", suspended=True), timeout=120)
+    cap = asleep["status"]["lastCapture"]
+    assert cap["ok"] is True and [s["name"] for s in cap["steps"]] == ["quiesce", "save", "settle-suspended"], cap
+    degraded = cond(asleep, "Degraded")
+    assert degraded is not None and degraded["status"] == "False", degraded
+    await set_desired(env, pod, "Active")
+    await wait_ws(env, pod, "Active", state_is("Active", suspended=False), timeout=120)
+    await gate(env, pod, True)
+    await pinned(env, pod)
+    assert (await Look.of(env, pod)) == look, "the same container and worker process, woken in place"
+
+
+async def test_a_capture_of_a_worker_still_in_serving_is_refused_until_it_is_out(env: Env, alone: Alone) -> None:
+    pod = alone.worker(0)
+    look = await Look.of(env, pod)
+    mark = len(env.driver.calls())
+    try:
+        await set_desired(env, pod, "Suspended")  # nobody took it out of serving: its gate is still True
+        ws = await wait_ws(env, pod, "refused: WorkerServing",
+                           refused_or_capturing(P.Reason.WORKER_SERVING.value), timeout=120)
+        err = ws["status"].get("lastError") or {}
+        assert err.get("reason") == P.Reason.WORKER_SERVING.value and err["step"] == "quiesce", ws["status"]
+        assert f"the pod's {P.CONDITION_SERVING} condition is True, not False" in err["message"], err
+        degraded = cond(ws, "Degraded")
+        assert degraded is not None and (degraded["status"], degraded["reason"]) == (
+            "True", P.Reason.WORKER_SERVING.value), degraded
+        assert ws["status"]["lastCapture"]["ok"] is False
+        await pinned(env, pod)  # refused before any change: it still serves
+        untouched(env, {pod: look}, mark)
+        await gate(env, pod, False)
+        await sleep_then_wake(env, pod, look)
+        assert state_changes_since(env.driver, mark), "the capture locked and checkpointed the worker"
+    finally:
+        await release(env, pod)
+
+
+async def test_a_capture_is_refused_while_requests_are_in_flight_by_the_workers_own_metrics(
+        env: Env, alone: Alone) -> None:
+    pod = alone.worker(1)
+    assert env.fe is not None
+    wid = instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
+    names = metric_names(await worker_metrics(pod))
+    assert INFLIGHT in names and REQUESTS in names, names  # the series the agent reads exist
+    look = await Look.of(env, pod)
+    streams: list[asyncio.Task[StreamedChat]] = []
+    try:
+        await env.fe.wait_routable(wid, timeout=120)
+        started = [asyncio.Event(), asyncio.Event()]
+        streams = [asyncio.create_task(stream_chat(env.fe, worker_id=wid, max_tokens=LONG_TOKENS, started=s))
+                   for s in started]
+        for s in started:
+            await asyncio.wait_for(s.wait(), 60)
+
+        async def two_in_flight() -> bool:
+            return metric_sum(await worker_metrics(pod), INFLIGHT) == 2
+        await wait_for("two requests in flight on the worker", two_in_flight, timeout=30, interval=0.5)
+        mark = len(env.driver.calls())
+        await gate(env, pod, False)  # out of serving, but the requests go on
+        await set_desired(env, pod, "Suspended")
+        ws = await wait_ws(env, pod, "refused: requests in flight", refused_or_capturing(
+            P.Reason.WORKER_SERVING.value, containing="requests in flight"), timeout=120)
+        err = ws["status"].get("lastError") or {}
+        assert re.fullmatch(r"2 requests in flight", err["message"]), err
+        untouched(env, {pod: look}, mark)
+        for t in streams:  # answered in full by this worker; then the capture goes ahead
+            res = await asyncio.wait_for(t, 300)
+            assert res.status == 200 and res.done and res.finish_reason == "length", res
+            assert res.chunks >= LONG_TOKENS // 2 and res.worker_ids == {wid}, (res.chunks, res.worker_ids)
+        await sleep_then_wake(env, pod, look)
+    finally:
+        for t in streams:
+            t.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await release(env, pod)
+
+
+async def release(env: Env, pod: NodePod) -> None:
+    """End of a test on ``pod``: whatever an assertion left, the worker asked Active and back in serving
+    (bounded), so the next test starts from a serving worker."""
+    with contextlib.suppress(Exception):
+        await set_desired(env, pod, "Active")
+        await wait_ws(env, pod, "Active (cleanup)", state_is("Active"), timeout=60)
+    await gate(env, pod, True)
