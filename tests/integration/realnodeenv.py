@@ -23,14 +23,15 @@ from dynsnap.k8s.errors import Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.models.resources import Resource
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env, upgrade
-from dynsnap.testenv.cluster import LocalCluster
+from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 
 __all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "api_server_env",
            "chart_pod", "component_policy", "controller_through_proxy", "deployed", "edit_dgd", "installed",
-           "instance_id", "running", "upgrade"]
+           "instance_id", "running", "scale_controller", "upgrade"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -179,3 +180,22 @@ async def chart_pod(env: Env, component: str) -> Obj:
 async def instance_id(env: Env, pod: real_graph.NodePod) -> int:
     """The worker's Dynamo instance id, from its DWM."""
     return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
+
+
+DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
+
+
+async def scale_controller(env: Env, replicas: int) -> None:
+    """``kubectl scale`` of the chart's controller Deployment (the chart's schema refuses
+    ``controller.replicas: 0``, rightly: nobody would wake a sleeping worker); returns once its pods
+    are that many, Ready, none terminating. A module that plays the controller itself scales it to 0
+    with its graph deployed (the controller made its WorkerSnapshots and gates) and back to 1 after."""
+    (dep,) = (await env.api.list(DEPLOYMENTS, namespace=NS, label_selector=(
+        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=controller")))["items"]
+    await env.api.merge_patch(DEPLOYMENTS, dep["metadata"]["name"], {"spec": {"replicas": replicas}}, namespace=NS)
+
+    async def scaled() -> bool:
+        pods = await env.chart_pods("controller")
+        return len(pods) == replicas and all(chart_node.pod_ready(p) and not p["metadata"].get("deletionTimestamp")
+                                             for p in pods)
+    await wait_for(f"the chart's controller scaled to {replicas}", scaled, timeout=180, interval=1)

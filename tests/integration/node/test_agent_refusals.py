@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 from controllerenv import cond
 from realnodecycle import wait_ws
-from realnodeenv import NS, RELEASE, WORKER_COMPONENT, Env
+from realnodeenv import WORKER_COMPONENT, Env, scale_controller
 from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
 from refusalenv import (
     StreamedChat,
@@ -49,7 +49,6 @@ from dynsnap.k8s.errors import Conflict, NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.models.resources import Resource
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, wait_for
 from dynsnap.testenv.real_graph import Graph, NodePod
@@ -60,7 +59,6 @@ OTHER_NS = "refusal-other"  # a namespace with no pods: a WorkerSnapshot there n
 SLOW = 0.2  # the mocker's speed: 1000 tokens take about 30 s, a pinned 2-token answer well under one
 LONG_TOKENS = 1000
 RUNNING = 0  # the stand-in driver's state of a process that runs
-DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
 
 
 @dataclass
@@ -122,19 +120,6 @@ async def alone(env: Env) -> AsyncIterator[Alone]:
             await env.api.delete(R.NAMESPACES, OTHER_NS)
         await scale_controller(env, 1)
 
-
-async def scale_controller(env: Env, replicas: int) -> None:
-    """``kubectl scale`` of the chart's controller Deployment; returns once its pods are that many,
-    Ready, none terminating."""
-    (dep,) = (await env.api.list(DEPLOYMENTS, namespace=NS, label_selector=(
-        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=controller")))["items"]
-    await env.api.merge_patch(DEPLOYMENTS, dep["metadata"]["name"], {"spec": {"replicas": replicas}}, namespace=NS)
-
-    async def scaled() -> bool:
-        pods = await env.chart_pods("controller")
-        return len(pods) == replicas and all(chart_node.pod_ready(p) and not p["metadata"].get("deletionTimestamp")
-                                             for p in pods)
-    await wait_for(f"the chart's controller scaled to {replicas}", scaled, timeout=180, interval=1)
 
 
 async def gate(env: Env, pod: NodePod, serving: bool) -> None:
