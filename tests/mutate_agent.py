@@ -63,6 +63,8 @@ PIDFLOOR = ("tests/integration/node/test_controller_refusals.py::"
 CRIU_FDS = "tests/integration/node/test_agent.py::test_a_worker_through_each_tier_and_back_is_the_same_worker[snapshot]"
 NODE_REFUSALS = "tests/integration/node/test_agent_refusals.py::"
 SERVING = NODE_REFUSALS + "test_a_capture_of_a_worker_still_in_serving_is_refused_until_it_is_out"
+RELOOK = (NODE_REFUSALS + "test_a_worker_whose_report_turns_unusable_and_right_again_is_refused_and_accepted_by_the_"
+          "agent_alone")
 EXEC_SERVING = "tests/native/test_agent_exec.py::test_exec_refuses_a_capture_not_confirmed_out_of_serving"
 WRONG_UID = NODE_REFUSALS + "test_the_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing[uid-of-another-pod]"
 ADMIT_UNIT = "tests/unit/test_agent_admit.py"
@@ -384,7 +386,7 @@ MUTATIONS = (
         "until its pod or WorkerSnapshot changes", NODE,
         "            return CONTAINER_RELOOK_S\n",
         "            return None\n",
-        tests=[REFUSED_PEER]),
+        tests=[RELOOK]),
 )
 
 SUITE = Suite(

@@ -35,7 +35,6 @@ DEMO_STORY = "dynsnap/demo_story.py"
 UNITS = "tests/unit/test_testenv_units.py::"
 READY_RULE = UNITS + "test_ready_is_containers_ready_and_every_gate"
 INSTANCE_ID = UNITS + "test_instance_id_is_the_generate_endpoint_of_the_dwm"
-ENDPOINTSLICE_GATE = "tests/integration/test_endpointslice_gc.py::test_endpointslice_follows_readiness_gate"
 WATCH_GONE = ("tests/integration/test_apiserver.py::"
               "test_watch_from_too_old_resource_version_is_gone_and_relist_recovers")
 PINNED = "tests/integration/test_dynamo.py::test_pinned_request_is_answered_by_that_worker"
@@ -50,7 +49,7 @@ MUTATIONS = (
         "kubelet-ready-ignores-gates", "stub kubelet computes Ready without the readiness gates", KUBELET,
         'return containers_ready and all(conds.get(g) == "True" for g in gates)',
         "return containers_ready",
-        tests=[READY_RULE, ENDPOINTSLICE_GATE], modules=["dynsnap.testenv.kubelet"]),
+        tests=[READY_RULE], modules=["dynsnap.testenv.kubelet"]),
     mutation(
         "watch-ignores-error-events", "`Kube.watch` ignores ERROR events (no `Gone`)", CLIENT,
         '                if event.get("type") == "ERROR":\n'

@@ -61,7 +61,8 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "where the worker can rewrite it; nothing was done to the worker.",
         "Only dynsnap-entrypoint writes that file: something in the worker's container overwrote it. Find what "
         "(the worker runs as root in its container?) and restart the pod; the entrypoint writes the file anew "
-        "at start and on every state change."),
+        "at start and on every state change. The agent looks at a refused worker again every 10 s: once the "
+        "file is right again the worker is accepted, with nothing else to change."),
     Reason.UNSAFE_CONTAINER_PATH: ReasonDoc(
         ACCEPTED, "refusal", "`Accepted=False` (agent); `Degraded=True`, `status.lastError` when met mid-way",
         "A path the agent would open inside the worker's container is refused: a symlink at one of its "

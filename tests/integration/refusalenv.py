@@ -208,13 +208,14 @@ def _hex_addr(ip: str, port: int) -> str:
     return "".join(f"{int(b):02X}" for b in reversed(ip.split("."))) + f":{port:04X}"
 
 
-def connections_to(ip: str, port: int) -> set[str]:
-    """Local ends of the TCP sockets of this network namespace (the node's: the agents run in it) to
-    ip:port, in any state. The agent opens one connection per scrape and closes it first, so each
-    scrape leaves a socket here (TIME_WAIT, 60 s; not reused for connections off loopback)."""
+def connections_to(ip: str, port: int, *, netns_of: int | str = "self") -> set[str]:
+    """Local ends of the TCP sockets to ip:port, in any state, of the network namespace of process
+    ``netns_of`` (default this one's: the node's, where the sandboxes' agents run; the real node's agent
+    pod has its own). The agent opens one connection per scrape and closes it first, so each scrape
+    leaves a socket there (TIME_WAIT, 60 s; not reused for connections off loopback)."""
     want = _hex_addr(ip, port)
     out = set()
-    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+    for line in Path(f"/proc/{netns_of}/net/tcp").read_text().splitlines()[1:]:
         parts = line.split()
         if len(parts) > 3 and parts[2] == want:
             out.add(parts[1])

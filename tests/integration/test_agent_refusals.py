@@ -1,18 +1,15 @@
 """Malformed input the API server rejects, and the node agent's refusals that need a worker made for
 them (what moved to the real node, the specs naming the wrong pod and the serving and in-flight
-guards, is node/test_agent_refusals.py).
+guards and the idle facts, is node/test_agent_refusals.py).
 
 - The API server rejects a malformed WorkerSnapshot (422, the field named) before any agent reads
   it, and keeps ``spec.podUID`` immutable.
 - Two GPU processes mapping NCCL without the settings the driver needs to restore them: refused
   before any lock; with the settings, the same worker is captured and woken.
-- Idle facts at the edge: ``status.idle`` follows the worker's own metrics, and a quiet worker's
-  WorkerSnapshot is not rewritten.
 
 Sandbox, why: the NCCL workers start a second GPU process under a launcher and map fake_nccl, a
-library of the test's, which the project's images do not carry; the idle facts are counted by the
-agent's scrapes seen in the node's own network namespace, where the agent runs here as a process
-(the chart's agent pod has a network namespace of its own).
+library of the test's, which the project's images do not carry. (The API server's validation needs no
+node at all.)
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import os
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -33,7 +29,6 @@ from agentenv import (
     StubDriver,
     build_stub_driver,
     deploy_serving,
-    eventually,
     gather_stop,
     install_dynsnap,
     quiesce,
@@ -47,21 +42,17 @@ from refusalenv import (
     NCCL_SAFE,
     build_fake_nccl,
     condition,
-    connections_to,
     entrypoint_info,
     hostile_ws,
     image_files,
     maps,
-    metric_sum,
     pod_processes,
     refused_or_capturing,
     state_changes_since,
     stub_key,
     with_second_gpu_process,
-    worker_metrics,
 )
 
-from dynsnap.agent.idle import REQUESTS  # the series the agent reads: they must exist
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import Invalid, NotFound
 from dynsnap.models import protocol as P
@@ -92,12 +83,9 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
     nccl = build_fake_nccl(work / "fakenccl")
     await install_dynsnap(cluster)
     kubeconfig = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
-    cuda = {"LD_PRELOAD": str(driver.libcuda)}
     ranks = {"LD_PRELOAD": f"{driver.libcuda} {nccl}"}
     g = await deploy_serving(cluster, D.dgd("rfs", [
         D.frontend_component(),
-        # opted in, under the entrypoint, one GPU process (the idle facts' worker)
-        D.mocker_component("worker", replicas=1, dynsnap=True, env=cuda),
         # two GPU processes mapping NCCL, without and with the settings the driver needs
         with_second_gpu_process(D.mocker_component("ranks", replicas=1, dynsnap=True, env=ranks)),
         with_second_gpu_process(D.mocker_component("safe-ranks", replicas=1, dynsnap=True,
@@ -292,51 +280,5 @@ async def test_ranks_on_nccl_with_the_settings_are_captured_and_woken(cluster: L
         await quiesce(cluster, pod, serving=True)
         await _pinned(env, pod)
         assert _two_ranks_in_the_worker_tree(pod) == ranks, "the same two processes, woken in place"
-    finally:
-        await _release(cluster, env, pod)
-
-
-# -- 5. idle facts at the edge ----------------------------------------------------------------------
-
-def _ts(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-async def test_idle_facts_follow_the_workers_own_metrics_and_a_quiet_worker_is_not_rewritten(
-        cluster: LocalCluster, env: Env) -> None:
-    api = cluster.api
-    pod = env.pod("worker", 0)
-    await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
-    try:
-        def quiet(ws: Obj) -> bool:
-            idle = (ws.get("status") or {}).get("idle") or {}
-            return bool(idle.get("idleSince"))
-        ws = await wait_ws(api, pod, "idleSince set", quiet, agents=env.agents)
-        assert condition(ws, "Accepted")["status"] == "True"
-        idle0, rv0 = ws["status"]["idle"], ws["metadata"]["resourceVersion"]
-        assert idle0["inflight"] == 0
-        assert idle0["requestsTotal"] == metric_sum(await worker_metrics(pod), REQUESTS)
-        # Quiet: the agent scrapes the worker (one TCP connection each, seen from the node) and
-        # writes nothing.
-        seen = connections_to(pod.ip, P.DYNAMO_SYSTEM_PORT)
-
-        async def scraped_thrice() -> bool:
-            return len(connections_to(pod.ip, P.DYNAMO_SYSTEM_PORT) - seen) >= 3
-        await eventually("three more scrapes of the quiet worker", scraped_thrice, timeout=60)
-        again = await api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-        assert again["metadata"]["resourceVersion"] == rv0, "a quiet worker's WorkerSnapshot was rewritten"
-        # Activity: requests move the worker's counter; lastActivity follows, idleSince is set anew
-        # from it once the worker is quiet again.
-        await _pinned(env, pod, n=3)
-
-        def quiet_again(ws: Obj) -> bool:
-            idle = (ws.get("status") or {}).get("idle") or {}
-            return (idle.get("requestsTotal", 0) >= idle0["requestsTotal"] + 3 and bool(idle.get("idleSince"))
-                    and idle.get("lastActivity") is not None)
-        ws = await wait_ws(api, pod, "activity seen, then quiet again", quiet_again, agents=env.agents)
-        idle1 = ws["status"]["idle"]
-        assert _ts(idle1["lastActivity"]) > _ts(idle0["idleSince"])
-        assert idle1["idleSince"] == idle1["lastActivity"], "idle since its last activity"
-        assert idle1["inflight"] == 0
     finally:
         await _release(cluster, env, pod)

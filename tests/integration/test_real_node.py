@@ -10,6 +10,7 @@ migration of the agent and controller suites puts their pods on exactly this nod
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shutil
@@ -22,6 +23,7 @@ import httpx
 import pytest
 
 from dynsnap.k8s.errors import NotFound
+from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.ids import PodUID
 from dynsnap.runtime import procfs
@@ -30,6 +32,7 @@ from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster, wait_for
 from dynsnap.testenv.node import RealNode, real_node_cidr
 from dynsnap.testenv.node_cleanup import CGROUP_FS, bridge_veths
 from dynsnap.testenv.node_config import KUBELET_SYSCTLS
+from dynsnap.testenv.real_graph import NodePod
 
 pytestmark = pytest.mark.cluster
 
@@ -41,9 +44,9 @@ GREETING = "real-node-says-hello"
 # answers that with a 400 of its own words. Then busybox's httpd as the container's PID 1, serving
 # the file its readiness probe asks for.
 APISERVER_SAYS = "Client sent an HTTP request to an HTTPS server"
+SERVE = "mkdir -p /tmp/www; echo ok > /tmp/www/healthz; exec /bin/busybox httpd -f -p 8080 -h /tmp/www"
 WEB = ("echo " + GREETING + "; printf 'GET /livez HTTP/1.0\\r\\n\\r\\n' "
-       "| /bin/busybox nc -w 5 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT; echo; "
-       "mkdir -p /tmp/www; echo ok > /tmp/www/healthz; exec /bin/busybox httpd -f -p 8080 -h /tmp/www")
+       "| /bin/busybox nc -w 5 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT; echo; " + SERVE)
 
 
 def _host_sysctls() -> dict[str, str]:
@@ -183,3 +186,58 @@ async def test_pod_runs_on_the_real_node(cluster: LocalCluster, real_node: RealN
     assert await bridge_veths(real_node.net.bridge) == []
     tasks = (await run_command(real_node.ctr_argv("tasks", "ls"), timeout=30)).stdout
     assert "RUNNING" not in tasks, tasks
+
+
+async def test_endpointslice_follows_kubelets_readiness_with_the_gate(cluster: LocalCluster,
+                                                                      real_node: RealNode) -> None:
+    """The real kube-controller-manager's EndpointSlice controller follows the readiness kubelet computes
+    for a pod with dynsnap's readiness gate (moved from the sandbox's test_endpointslice_gc.py): a gate
+    nobody set counts False (probe passing, pod not Ready, endpoint published not ready), and each flip
+    of the gate, set as dynsnap sets it, moves kubelet's Ready and the endpoint with it."""
+    api = cluster.api
+    tag = (await real_node.import_image(_entrypoint_layout())).rsplit(":", 1)[1]
+    name, labels = "real-node-gated", {"app": "real-node-gated"}
+    await api.create(R.SERVICES, {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": TEST_NAMESPACE},
+        "spec": {"clusterIP": "None", "selector": labels, "ports": [{"name": "http", "port": 8080}]}})
+    created = await api.create(R.PODS, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": TEST_NAMESPACE, "labels": labels},
+        "spec": {"nodeName": NODE, "terminationGracePeriodSeconds": 1,
+                 "readinessGates": [{"conditionType": P.CONDITION_SERVING}],
+                 "containers": [{"name": "web", "image": f"dynsnap-entrypoint:{tag}", "imagePullPolicy": "Never",
+                                 "command": ["/bin/busybox", "sh", "-c", SERVE],
+                                 "ports": [{"name": "http", "containerPort": 8080}],
+                                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
+                                                    "periodSeconds": 1}}]}})
+    live = await cluster.wait_pod_ip(TEST_NAMESPACE, name, timeout=120)
+    pod = NodePod(name, TEST_NAMESPACE, created["metadata"]["uid"], live["status"]["podIP"], NODE)
+    selector = f"kubernetes.io/service-name={name}"
+
+    async def container_ready_gate_unset() -> bool:
+        conds = {c["type"]: c["status"] for c in (await api.get(R.PODS, name, namespace=TEST_NAMESPACE))
+                 ["status"].get("conditions") or []}
+        return conds.get("ContainersReady") == "True" and conds.get("Ready") == "False"
+
+    async def endpoint_ready(want: bool) -> bool:
+        ep = await cluster.endpoint_of(pod, label_selector=selector)  # type: ignore[arg-type]  # its UID
+        return ep is not None and ep["conditions"].get("ready") is want and ep["addresses"] == [pod.ip]
+
+    try:
+        await wait_for("containers ready, pod not Ready", container_ready_gate_unset, timeout=60)
+        await wait_for("endpoint published not ready", lambda: endpoint_ready(False), timeout=60)
+        for serving in (True, False, True):
+            await cluster.set_serving_gate(pod, serving)
+            await cluster.wait_ready(TEST_NAMESPACE, name, ready=serving, timeout=30)
+            await wait_for(f"endpoint ready={serving}", lambda s=serving: endpoint_ready(s), timeout=60)
+    finally:
+        with contextlib.suppress(NotFound):
+            await api.delete(R.PODS, name, namespace=TEST_NAMESPACE, grace_period_seconds=1)
+        await api.delete(R.SERVICES, name, namespace=TEST_NAMESPACE)
+
+    async def gone() -> bool:
+        try:
+            await api.get(R.PODS, name, namespace=TEST_NAMESPACE)
+        except NotFound:
+            return True
+        return False
+    await wait_for(f"pod {name} deleted by its kubelet", gone, timeout=60)

@@ -1,8 +1,9 @@
 """What the trust-boundary tests (test_agent_trust.py) need beyond agentenv.py: mocker workers whose
 entrypoint's control directory is an attacker's choice (a symlink to a node directory, a path with
 ``..``), a worker that starts a process carrying the old helper marker inside its own tree, the same
-marker on a process of the node, the control directory of a pod as the node reaches it, and files
-compared byte for byte.
+marker on a process of the node, the control directory of a pod as the node reaches it, files
+compared byte for byte; and, for the real node's suites too, an entrypoint report replaced as its worker
+could, and the refusal it earns.
 
 The pod sandboxes share the node's file system (dynsnap/testenv/sandbox.py), so a node directory a
 symlink or a ``..`` points at is one the entrypoint itself can write: it keeps its control file
@@ -18,6 +19,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from dynsnap.k8s.client import Obj
@@ -119,3 +121,23 @@ def marked_in_pod(pod: RunningPod) -> list[int]:
         if any(e.startswith(want) for e in env) and start_ticks(int(pid)) is not None:
             out.append(int(pid))
     return out
+
+
+def refused(reason: str, says: str) -> Callable[[Obj | None], bool]:
+    """The WorkerSnapshot says ``Accepted=False`` for ``reason``, its message saying ``says``."""
+    def check(ws: Obj | None) -> bool:
+        c = next((c for c in ((ws or {}).get("status") or {}).get("conditions") or [] if c["type"] == "Accepted"),
+                 None)
+        return bool(c and c["status"] == "False" and c["reason"] == reason and says in c["message"])
+    return check
+
+
+def replace_report(report: Path, content: bytes | Path) -> None:
+    """The entrypoint's ``report`` replaced in one step, as the worker could: by ``content``'s bytes, or
+    (a Path) by a symlink to that file of the node."""
+    tmp = report.parent / ".replacing"
+    if isinstance(content, Path):
+        tmp.symlink_to(content)
+    else:
+        tmp.write_bytes(content)
+    tmp.rename(report)

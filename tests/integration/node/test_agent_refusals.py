@@ -15,6 +15,10 @@ the serving gate), as the sandbox suite did; scaled back to 1 after.
 - The serving guard: a capture of a worker still in serving (its ``dynsnap.io/serving`` gate True, or
   requests in flight by its own metrics) is refused before any change, and goes ahead once it is not;
   the worker woken after is the same, answering.
+- Idle facts at the edge: ``status.idle`` follows the worker's own metrics, and a quiet worker's
+  WorkerSnapshot is not rewritten however often the agent scrapes it.
+- A worker's ``entrypoint.json`` overwritten and then put right inside its container, with nothing
+  else changing: the agent refuses it, then accepts it, by looking again on its own.
 """
 
 from __future__ import annotations
@@ -22,16 +26,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
 import pytest
-from controllerenv import cond
+from controllerenv import cond, history
 from realnodecycle import wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, scale_controller
-from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
+from realnodeenv import WORKER_COMPONENT, Env, chart_pod, scale_controller
+from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
 from refusalenv import (
     StreamedChat,
+    connections_to,
     hostile_ws,
     metric_names,
     metric_sum,
@@ -42,6 +49,7 @@ from refusalenv import (
     wait_ws_at,
     worker_metrics,
 )
+from trustenv import refused, replace_report
 
 from dynsnap.agent.idle import INFLIGHT, REQUESTS
 from dynsnap.k8s.client import Obj
@@ -59,6 +67,7 @@ OTHER_NS = "refusal-other"  # a namespace with no pods: a WorkerSnapshot there n
 SLOW = 0.2  # the mocker's speed: 1000 tokens take about 30 s, a pinned 2-token answer well under one
 LONG_TOKENS = 1000
 RUNNING = 0  # the stand-in driver's state of a process that runs
+QUIET_S = 6.0  # a pod and WorkerSnapshot unchanged this long, with nobody else acting on them: quiet
 
 
 @dataclass
@@ -343,3 +352,104 @@ async def release(env: Env, pod: NodePod) -> None:
         await set_desired(env, pod, "Active")
         await wait_ws(env, pod, "Active (cleanup)", state_is("Active"), timeout=60)
     await gate(env, pod, True)
+
+
+# -- idle facts at the edge ------------------------------------------------------------------------------
+
+def _ts(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+async def test_idle_facts_follow_the_workers_own_metrics_and_a_quiet_worker_is_not_rewritten(
+        env: Env, alone: Alone) -> None:
+    """``status.idle`` from the worker's own metrics, scraped by the agent pod every second (the shared
+    install's ``agent.scrapeInterval``); nobody else writes the WorkerSnapshot while the controller is
+    scaled to 0, so an unchanged resourceVersion over three scrapes is the agent writing nothing."""
+    pod = alone.worker(0)
+
+    def quiet(ws: Obj | None) -> bool:
+        return bool((((ws or {}).get("status") or {}).get("idle") or {}).get("idleSince"))
+    ws = await wait_ws(env, pod, "idleSince set", quiet, timeout=120)
+    accepted = cond(ws, "Accepted")
+    assert accepted is not None and accepted["status"] == "True", accepted
+    idle0, rv0 = ws["status"]["idle"], ws["metadata"]["resourceVersion"]
+    assert idle0["inflight"] == 0
+    assert idle0["requestsTotal"] == metric_sum(await worker_metrics(pod), REQUESTS)
+    # Quiet: the agent scrapes the worker (one TCP connection each, in the agent pod's network
+    # namespace) and writes nothing.
+    agent = container_pid(await chart_pod(env, "agent"), "agent")
+    seen = connections_to(pod.ip, P.DYNAMO_SYSTEM_PORT, netns_of=agent)
+
+    async def scraped_thrice() -> bool:
+        return len(connections_to(pod.ip, P.DYNAMO_SYSTEM_PORT, netns_of=agent) - seen) >= 3
+    await wait_for("three more scrapes of the quiet worker", scraped_thrice, timeout=60, interval=0.5)
+    again = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+    assert again["metadata"]["resourceVersion"] == rv0, "a quiet worker's WorkerSnapshot was rewritten"
+    # Activity: requests move the worker's counter; lastActivity follows, and idleSince is set anew
+    # from it once the worker is quiet again.
+    await pinned(env, pod, n=3)
+
+    def quiet_again(ws: Obj | None) -> bool:
+        idle = ((ws or {}).get("status") or {}).get("idle") or {}
+        return (idle.get("requestsTotal", 0) >= idle0["requestsTotal"] + 3 and bool(idle.get("idleSince"))
+                and idle.get("lastActivity") is not None)
+    ws = await wait_ws(env, pod, "activity seen, then quiet again", quiet_again, timeout=120)
+    idle1 = ws["status"]["idle"]
+    assert _ts(idle1["lastActivity"]) > _ts(idle0["idleSince"])
+    assert idle1["idleSince"] == idle1["lastActivity"], "idle since its last activity"
+    assert idle1["inflight"] == 0
+
+
+# -- a refusal for what the container holds is looked at again ----------------------------------------------
+
+async def test_a_worker_whose_report_turns_unusable_and_right_again_is_refused_and_accepted_by_the_agent_alone(
+        env: Env, alone: Alone) -> None:
+    """The worker's entrypoint.json overwritten inside its container, then put right, while nobody changes
+    its pod or WorkerSnapshot (the controller is scaled to 0, the worker quiet): the agent notices each by
+    looking again on its own (CONTAINER_RELOOK_S, dynsnap/agent/node.py), so the first change to either
+    object after each replacement is the agent's refusal, then its acceptance."""
+    pod = alone.worker(0)
+    look = await Look.of(env, pod)
+    procs = container_procs(pod.uid, look.container_id)
+    report = Path(f"/proc/{procs.entrypoint}/root") / P.ENTRYPOINT_CONTROL_DIR.lstrip("/") / P.ENTRYPOINT_CONTROL_FILE
+    genuine = report.read_bytes()
+    accepted_now = lambda ws: bool((c := cond(ws, "Accepted")) and c["status"] == "True")  # noqa: E731
+    await wait_ws(env, pod, "accepted", accepted_now, timeout=60)
+    mark = len(env.driver.calls())
+    try:
+        for what, content, check in (("refused", b"\xff not json", refused("EntrypointUnreadable", "not JSON")),
+                                     ("accepted again", genuine, accepted_now)):
+            await wait_for(f"{pod.name}'s pod and WorkerSnapshot unchanged for {QUIET_S:g}s", quiet(env, pod),
+                           timeout=120, interval=QUIET_S)
+            async with history(env.api, R.PODS, pod) as pods, history(env.api, R.WORKER_SNAPSHOTS, pod) as wss:
+                replace_report(report, content)
+                ws = await wait_ws(env, pod, what, check, timeout=60)
+                at = int(ws["metadata"]["resourceVersion"])
+
+                async def caught_up(at: int = at) -> bool:
+                    return any(int(v["metadata"]["resourceVersion"]) >= at for v in wss)
+                await wait_for(f"the watch on the WorkerSnapshot at the {what} version", caught_up, timeout=30)
+            first = next(v for v in wss[1:] if int(v["metadata"]["resourceVersion"]) > int(
+                wss[0]["metadata"]["resourceVersion"]))
+            assert check(first), (f"the WorkerSnapshot changed before the agent found the worker {what}",
+                                  cond(first, "Accepted"))
+            assert all(int(p["metadata"]["resourceVersion"]) > at for p in pods[1:]), f"the pod changed first ({what})"
+        untouched(env, {pod: look}, mark)
+    finally:
+        if report.read_bytes() != genuine:
+            replace_report(report, genuine)
+    await pinned(env, pod)
+
+
+def quiet(env: Env, pod: NodePod) -> Callable[[], Awaitable[bool]]:
+    """True once ``pod`` and its WorkerSnapshot are as they were at the previous call."""
+    last: list[tuple[str, str]] = []
+
+    async def check() -> bool:
+        now = ((await env.api.get(R.PODS, pod.name, namespace=pod.namespace))["metadata"]["resourceVersion"],
+               (await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace))["metadata"]
+               ["resourceVersion"])
+        same = bool(last) and last[-1] == now
+        last.append(now)
+        return same
+    return check

@@ -24,30 +24,28 @@ sleep only while the third serves (``min-active: 1``). One graph for the module.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from controllerenv import cond, get_ws, history
+from controllerenv import cond, get_ws
 from realnodecycle import cycle, override, same_pod, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, deployed
 from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
 from refusalenv import state_changes_since
-from trustenv import start_forged_on_node, start_ticks
+from trustenv import refused, replace_report, start_forged_on_node, start_ticks
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node
-from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import Graph, NodePod
 
 pytestmark = pytest.mark.cluster
 
 RUNNING = 0  # the stub driver's state of a process that runs
-QUIET_S = 6.0  # a pod and WorkerSnapshot unchanged this long: nobody is about to change them
 CASES = {
     "oversized": ("EntrypointUnreadable", "is larger than 65536 bytes"),
     "malformed": ("EntrypointUnreadable", "not JSON"),
@@ -85,24 +83,6 @@ def tampered(case: str, genuine: Obj, node_file: Path) -> bytes | None:
     return None
 
 
-def refused(reason: str, says: str) -> Callable[[Obj | None], bool]:
-    def check(ws: Obj | None) -> bool:
-        c = cond(ws, "Accepted")
-        return bool(c and c["status"] == "False" and c["reason"] == reason and says in c["message"])
-    return check
-
-
-def replace(report: Path, content: bytes | Path) -> None:
-    """``report`` replaced in one step, as the worker could: by ``content``'s bytes, or (a Path) by a
-    symlink to that file of the node."""
-    tmp = report.parent / ".replacing"
-    if isinstance(content, Path):
-        tmp.symlink_to(content)
-    else:
-        tmp.write_bytes(content)
-    tmp.rename(report)
-
-
 async def pinned(env: Env, w: NodePod, n: int = 2) -> None:
     assert env.fe is not None
     iid = instance_id_from_dwm(await env.api.get(R.DWMS, w.name, namespace=w.namespace))
@@ -121,7 +101,7 @@ async def serve_again(env: Env, w: NodePod, report: Path, genuine: bytes, first:
         await wait_ws(env, w, "Active asked", lambda ws: bool(ws and ws["spec"]["desiredState"] == "Active"),
                       timeout=120)
     finally:
-        replace(report, genuine)
+        replace_report(report, genuine)
     await wait_ws(env, w, "accepted again", lambda ws: bool((c := cond(ws, "Accepted")) and c["status"] == "True"),
                   timeout=120)
     await pinned(env, w)
@@ -143,7 +123,7 @@ async def test_an_unusable_entrypoint_report_in_a_real_container_is_refused_and_
     content = tampered(case, json.loads(genuine), node_file)
     node_before = node_file.read_bytes() if node_file.exists() else None
     mark = len(env.driver.calls())
-    replace(report, node_file if content is None else content)
+    replace_report(report, node_file if content is None else content)
     try:
         await override(env, w, "suspended")
         ws = await wait_ws(env, w, f"refused {reason}", refused(reason, says), timeout=120)
@@ -168,7 +148,7 @@ async def test_the_agent_serves_its_other_workers_while_one_is_refused(env: Env,
     genuine = report.read_bytes()
     forged = start_forged_on_node(trio.work, peer.uid)  # the old marker, with the peer's UID
     ticks = start_ticks(forged.pid)
-    replace(report, b"\xff not json")
+    replace_report(report, b"\xff not json")
     try:
         await override(env, w, "suspended")
         await wait_ws(env, w, "refused", refused("EntrypointUnreadable", "not JSON"), timeout=120)
@@ -184,41 +164,8 @@ async def test_the_agent_serves_its_other_workers_while_one_is_refused(env: Env,
             woken["status"]["lastWake"]
         assert start_ticks(forged.pid) == ticks, "the forged process was killed"
         assert refused("EntrypointUnreadable", "not JSON")(await get_ws(env.api, w)), "still refused"
-        # Its report made right again while nobody changes its pod or WorkerSnapshot: the agent looks
-        # again by itself (CONTAINER_RELOOK_S) and accepts it; the first change to either is that.
-        await override(env, w, "active")
-        await wait_ws(env, w, "Active asked", lambda ws: bool(ws and ws["spec"]["desiredState"] == "Active"),
-                      timeout=120)
-        await wait_for(f"{w.name}'s pod and WorkerSnapshot unchanged for {QUIET_S:g}s", quiet(env, w),
-                       timeout=120, interval=QUIET_S)
-        async with history(env.api, R.PODS, w) as pods, history(env.api, R.WORKER_SNAPSHOTS, w) as wss:
-            replace(report, genuine)
-            accepted = await wait_ws(env, w, "accepted again", lambda ws: bool(
-                (c := cond(ws, "Accepted")) and c["status"] == "True"), timeout=120)
-            at = int(accepted["metadata"]["resourceVersion"])
-
-            async def caught_up() -> bool:
-                return any(int(v["metadata"]["resourceVersion"]) >= at for v in wss)
-            await wait_for("the watch on the WorkerSnapshot at the accepting version", caught_up, timeout=30)
-        first_change = next(v for v in wss[1:] if int(v["metadata"]["resourceVersion"]) > int(
-            wss[0]["metadata"]["resourceVersion"]))
-        assert cond(first_change, "Accepted") == cond(accepted, "Accepted"), \
-            ("the WorkerSnapshot changed before the agent accepted the worker", cond(first_change, "Accepted"))
-        assert all(int(p["metadata"]["resourceVersion"]) > at for p in pods[1:]), "the pod changed first"
     finally:
         forged.kill()
         forged.wait(timeout=10)
         await serve_again(env, w, report, genuine, first)
 
-
-def quiet(env: Env, w: NodePod) -> Callable[[], Awaitable[bool]]:
-    """True once ``w``'s pod and WorkerSnapshot are as they were at the previous call."""
-    last: list[tuple[str, str]] = []
-
-    async def check() -> bool:
-        now = ((await env.api.get(R.PODS, w.name, namespace=w.namespace))["metadata"]["resourceVersion"],
-               (await env.api.get(R.WORKER_SNAPSHOTS, w.name, namespace=w.namespace))["metadata"]["resourceVersion"])
-        same = bool(last) and last[-1] == now
-        last.append(now)
-        return same
-    return check
