@@ -120,3 +120,23 @@ async def all_ready(env: Env, pods: list[NodePod]) -> bool:
         if not any(c["type"] == "Ready" and c["status"] == "True" for c in live["status"].get("conditions") or []):
             return False
     return True
+
+
+def state_is(state: str, *, suspended: bool | None = None) -> Callable[[Obj | None], bool]:
+    """The agent reports ``state`` (and, if given, the Suspended condition True or False)."""
+    def check(ws: Obj | None) -> bool:
+        st = (ws or {}).get("status") or {}
+        c = cond(ws, "Suspended")
+        return st.get("state") == state and (suspended is None or (
+            c is not None and c["status"] == ("True" if suspended else "False")))
+    return check
+
+
+async def pinned(env: Env, w: NodePod, n: int = 2, *, prompt: str = "pinned") -> None:
+    """``n`` requests pinned to ``w`` through the frontend, each answered by it."""
+    assert env.fe is not None
+    iid = instance_id_from_dwm(await env.api.get(R.DWMS, w.name, namespace=w.namespace))
+    await env.fe.wait_routable(iid, timeout=120)
+    for i in range(n):
+        res = await env.fe.chat(f"{prompt} {i}", worker_id=iid, max_tokens=2)
+        assert res.status == 200 and res.worker_id == iid, res.body

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 from controllerenv import cond, history
-from realnodecycle import wait_ws
+from realnodecycle import pinned, state_is, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, chart_pod, scale_controller
 from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
 from refusalenv import (
@@ -143,15 +143,6 @@ async def set_desired(env: Env, pod: NodePod, desired: str) -> Obj:
     return patched
 
 
-async def pinned(env: Env, pod: NodePod, n: int = 2) -> None:
-    assert env.fe is not None
-    iid = instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
-    await env.fe.wait_routable(iid, timeout=120)
-    for i in range(n):
-        res = await env.fe.chat(f"pinned {i}", worker_id=iid, max_tokens=2)
-        assert res.status == 200 and res.worker_id == iid, res.body
-
-
 @dataclass(frozen=True)
 class Look:
     """A worker as the kernel, its entrypoint and the stand-in driver show it."""
@@ -256,15 +247,6 @@ async def test_the_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing
 
 
 # -- the serving guard ---------------------------------------------------------------------------------
-
-def state_is(state: str, *, suspended: bool | None = None) -> Callable[[Obj | None], bool]:
-    def check(ws: Obj | None) -> bool:
-        st = (ws or {}).get("status") or {}
-        c = cond(ws, "Suspended")
-        return st.get("state") == state and (suspended is None or (
-            c is not None and c["status"] == ("True" if suspended else "False")))
-    return check
-
 
 async def sleep_then_wake(env: Env, pod: NodePod, look: Look) -> None:
     """Once nothing holds the capture: asleep (the capture's steps), woken, back in serving, the same

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import httpx
 import pytest
-from controllerenv import cond
 from otlp_collector import Collector
 from prometheus_client.parser import text_string_to_metric_families
-from realnodecycle import wait_ws
+from realnodecycle import state_is, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, scale_controller
 
 from dynsnap.k8s.client import Obj
@@ -72,15 +71,6 @@ async def traced(env: Env, otlp: Collector) -> AsyncIterator[Traced]:
         await real_graph.teardown(env.api, graph)
         env.graphs.remove(graph)
         await scale_controller(env, 1)
-
-
-def state_is(state: str, *, suspended: bool | None = None) -> Callable[[Obj | None], bool]:
-    def check(ws: Obj | None) -> bool:
-        st = (ws or {}).get("status") or {}
-        c = cond(ws, "Suspended")
-        return st.get("state") == state and (suspended is None or (
-            c is not None and c["status"] == ("True" if suspended else "False")))
-    return check
 
 
 async def gate(t: Traced, serving: bool) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from controllerenv import cond, get_ws
-from realnodecycle import cycle, override, same_pod, wait_ws
+from realnodecycle import cycle, override, pinned, same_pod, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, deployed
 from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
 from refusalenv import state_changes_since
@@ -38,8 +38,6 @@ from trustenv import refused, replace_report, start_forged_on_node, start_ticks
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
-from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.real_graph import Graph, NodePod
 
@@ -83,15 +81,6 @@ def tampered(case: str, genuine: Obj, node_file: Path) -> bytes | None:
     return None
 
 
-async def pinned(env: Env, w: NodePod, n: int = 2) -> None:
-    assert env.fe is not None
-    iid = instance_id_from_dwm(await env.api.get(R.DWMS, w.name, namespace=w.namespace))
-    await env.fe.wait_routable(iid, timeout=120)
-    for i in range(n):
-        res = await env.fe.chat(f"still yours {i}", worker_id=iid, max_tokens=2)
-        assert res.status == 200 and res.worker_id == iid, res.body
-
-
 async def serve_again(env: Env, w: NodePod, report: Path, genuine: bytes, first: KubeletFacts) -> None:
     """Asked to serve first, then its genuine report back: restored while Suspended is still asked and
     the worker is out of serving, the agent's next look would rightly capture it. Accepted again, it
@@ -104,7 +93,7 @@ async def serve_again(env: Env, w: NodePod, report: Path, genuine: bytes, first:
         replace_report(report, genuine)
     await wait_ws(env, w, "accepted again", lambda ws: bool((c := cond(ws, "Accepted")) and c["status"] == "True"),
                   timeout=120)
-    await pinned(env, w)
+    await pinned(env, w, prompt="still yours")
     await same_pod(env, w, first)
     await override(env, w, None)
 
