@@ -5,8 +5,8 @@ to the test that ran them (pytest's own accounting).
 
   python bench/test_times.py [REPORT.xml]   # default: the newest report kept
 
-Only the suite's ``pytest-*.xml`` reports are picked by default (another report there, such as a
-``side-*.xml`` of an earlier side run, is read only when passed).
+``./run test`` runs test_agent_apiserver.py in a pytest of its own beside the suite: its report is
+``side-*.xml`` beside the suite's ``pytest-*.xml`` (pass it to see it; the default is the suite's).
 
 Prints one line per file: seconds, share of the run, tests, path.
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 def newest_report() -> Path:
     reports = Path(os.environ.get("DYNSNAP_CACHE", Path.home() / ".cache" / "dynsnap")) / "test-reports"
+    # pytest-*.xml: the suite's; side-*.xml: test_agent_apiserver.py, run beside it (./run test)
     found = sorted(reports.glob("pytest-*.xml"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise SystemExit(f"no report in {reports}: run ./run test first")

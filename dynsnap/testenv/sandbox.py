@@ -17,10 +17,14 @@ runtime would, so that the agent finds its processes as on a real node:
   *inside* the mount namespace (CRIU refuses fds opened in another mount
   namespace: "Can't lookup mount=... for fd");
 - cgroup: joined before exec, kubelet-cgroupfs style and carrying the pod UID,
-  ``/<cgroup_parent>/kubepods/besteffort/pod<uid>/<container-id>`` in the v1
-  ``pids`` and ``name=systemd`` hierarchies and in the unified (v2) one when it
-  is mounted and writable. (The v1 ``memory`` hierarchy is left alone: the
-  harness's own memory limit must keep applying.);
+  ``/<cgroup_parent>/kubepods/besteffort/pod<uid>/<container-id>`` in every v1
+  hierarchy but ``memory`` (``cpuset`` given its parent's CPUs and memory nodes)
+  and in the unified (v2) one when it is mounted and writable. (The v1 ``memory``
+  hierarchy is left alone: the harness's own memory limit must keep applying.)
+  Every hierarchy, as runc does: CRIU dumps the subtree of each cgroup the tree is
+  in and restores its properties, so a pod left in a root cgroup (devices, cpuset)
+  made a restore rewrite the whole host's tree, a real node's pods included
+  ("Failed writing a to devices//<node root>/kubepods/.../devices.deny");
 - env: exactly the pod env, plus a default ``PATH`` when the env has none (an
   image would supply one);
 - emptyDir volumes: a tmpfs mounted at each of ``mounts`` inside the pod's mount
@@ -28,8 +32,8 @@ runtime would, so that the agent finds its processes as on a real node:
   use ``/run/dynsnap`` as its control directory, and the node reaches it only
   through ``/proc/<pid>/root``);
 
-Process chain: ``sh`` (joins the cgroups) → ``setpriv --pdeathsig KILL`` → ``ip netns exec``
-→ ``unshare ... --kill-child`` → PID 1 (``setsid`` → ``sh -c 'exec CMD >LOG'``). All
+Process chain: ``bash`` (joins the cgroups) → ``setpriv --pdeathsig KILL`` → ``ip netns exec``
+→ ``unshare ... --kill-child`` → PID 1 (``setsid`` → ``bash -c 'exec CMD >LOG'``). All
 but the fork in ``unshare`` are execs, so :attr:`PodSandbox.pid` is the only child
 of the process we spawned; if the test process dies, the whole pod dies with it
 (pdeathsig), and :meth:`SandboxNetwork.up` removes the namespaces left behind.
@@ -62,9 +66,9 @@ from dynsnap.testenv.netns import CommandError, SandboxNetwork, find_tool, run_c
 __all__ = ["CommandError", "PodSandbox", "SandboxError", "SandboxNetwork", "remove_empty_cgroups"]
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
-# v1 hierarchies a pod joins; "systemd" is the name=systemd one. Not "memory":
+# v1 hierarchies a pod joins (those mounted here); "systemd" is the name=systemd one. Not "memory":
 # moving test processes out of the harness's memory cgroup would lift its limit.
-_V1_HIERARCHIES = ("pids", "systemd")
+_V1_HIERARCHIES = ("pids", "systemd", "devices", "cpuset", "cpu", "cpuacct", "blkio", "freezer")
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -189,12 +193,12 @@ class PodSandbox:
             find_tool("setpriv"), "--pdeathsig", "KILL",
             find_tool("ip"), "netns", "exec", self.netns,
             find_tool("unshare"), "--pid", "--fork", "--kill-child", "--mount", "--mount-proc",
-            "--propagation", "private", "--", find_tool("sh"), "-c", inner,
+            "--propagation", "private", "--", find_tool("bash"), "-c", inner,
         ]
         pod_env = dict(env)
         pod_env.setdefault("PATH", _DEFAULT_PATH)
         self._proc = await asyncio.create_subprocess_exec(
-            find_tool("sh"), "-c", self._open_cgroups() + "exec " + shlex.join(chain),
+            find_tool("bash"), "-c", self._open_cgroups() + "exec " + shlex.join(chain),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, env=pod_env, cwd=workdir, start_new_session=True,
         )
@@ -231,6 +235,7 @@ class PodSandbox:
     # The pod's cgroup.procs files, opened as fds 3, 4, ... by the launching shell
     # (host view of /sys) and written "0" (= the writer itself) by the shell that
     # then execs the pod's process inside its namespaces. Fds closed before exec.
+    # Both shells are bash: there are more than seven, and dash reads one digit.
     def _open_cgroups(self) -> str:
         return "".join(
             f"exec {3 + i}>{shlex.quote(str(d / 'cgroup.procs'))}; " for i, d in enumerate(self.cgroup_paths)
@@ -280,9 +285,9 @@ class PodSandbox:
         Returns ``(returncode, stdout, stderr)``; raises :class:`CommandError`
         with ``returncode`` None when it runs past ``timeout``.
         """
-        inner = [find_tool("sh"), "-c", self._join_cgroups() + 'exec "$@"', "sh", *argv]
+        inner = [find_tool("bash"), "-c", self._join_cgroups() + 'exec "$@"', "bash", *argv]
         outer = self._open_cgroups() + "exec " + shlex.join(self.nsenter_argv() + inner)
-        wrapped = [find_tool("sh"), "-c", outer]
+        wrapped = [find_tool("bash"), "-c", outer]
         res = await run_command(wrapped, timeout=timeout, check=False, env=self._env)
         return res.returncode, res.stdout, res.stderr
 
@@ -390,7 +395,21 @@ def remove_empty_cgroups(cgroup_parent: str = "dynsnap-test") -> list[Path]:
 
 def _mkdirs(dirs: list[Path]) -> None:
     for d in dirs:
+        if d.is_relative_to(_CGROUP_ROOT / "cpuset"):
+            _mkdirs_cpuset(d)
         d.mkdir(parents=True, exist_ok=True)
+
+
+def _mkdirs_cpuset(d: Path) -> None:
+    """A v1 cpuset directory takes no process until its CPUs and memory nodes are set: each level
+    made here gets its parent's."""
+    parts = d.relative_to(_CGROUP_ROOT / "cpuset").parts
+    for i in range(1, len(parts) + 1):
+        level = _CGROUP_ROOT / "cpuset" / Path(*parts[:i])
+        level.mkdir(exist_ok=True)
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            if not (level / f).read_text().strip():
+                (level / f).write_text((level.parent / f).read_text())
 
 
 def _rmdir(d: Path) -> bool:

@@ -134,6 +134,11 @@ async def test_http_server_reachable_at_pod_ip_with_pod_identity(net: SandboxNet
         cgroups = _read(f"/proc/{sb.pid}/cgroup")
         assert f"/kubepods/besteffort/pod{UID}/" in cgroups
         assert any(line.startswith("0::") and f"pod{UID}" in line for line in cgroups.splitlines())
+        # In a cgroup of its own in every v1 hierarchy but memory (the harness's limit), as under runc:
+        # CRIU dumps and restores the subtree of each cgroup the tree is in, and a root one is the host's.
+        by_hierarchy = {line.split(":", 2)[1]: line.split(":", 2)[2] for line in cgroups.splitlines()}
+        outside = {h: path for h, path in by_hierarchy.items() if h not in ("", "memory") and f"/pod{UID}/" not in path}
+        assert not outside, outside
         # As on a node: everything in the pod's cgroups is in the pod's pid namespace
         # (the launcher, like a runtime shim, is not in them).
         pidns = os.stat(f"/proc/{sb.pid}/ns/pid").st_ino
