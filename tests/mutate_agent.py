@@ -73,7 +73,9 @@ RESERVE_UNIT = "tests/unit/test_agent_images.py::test_captures_at_once_each_coun
 GATE_CONFIRMED = "tests/integration/test_agent_serving_gate.py"
 PERMANENT = FAULTS + "test_a_permanent_refusal_is_not_retried_until_the_spec_changes"
 CRIU_ERRORS = "tests/native/test_criu_errors.py"
-UPGRADE = "tests/integration/test_agent_upgrade.py"
+UPGRADE = ("tests/integration/node/test_agent_restart.py::"
+           "test_the_next_agent_wakes_a_worker_its_predecessor_snapshotted")
+NODE_RESTART = "tests/integration/node/test_agent_restart.py::test_agent_killed_during"
 STATUS_UNIT = "tests/unit/test_agent_status.py"
 ENGINE = "tests/integration/node/test_engine_tier.py::"
 ENGINE_NO_ROUTES = ENGINE + "test_a_worker_without_engine_routes_is_refused_and_auto_sleeps_it_with_suspend"
@@ -387,6 +389,13 @@ MUTATIONS = (
         "            return CONTAINER_RELOOK_S\n",
         "            return None\n",
         tests=[RELOOK]),
+    # -- issue 19: the agent-killed matrix on the real node ----------------------------------------------
+    mutation(
+        "helper-not-waited-for", "a restarted agent acts on a worker while a helper its predecessor started "
+        "still runs for it", PLAN,
+        "    if f.helper_running:\n        return Step.WAIT_HELPER\n",
+        "    if False:\n        return Step.WAIT_HELPER\n",
+        tests=[NODE_RESTART + "[capture-save-suspend]", NODE_RESTART + "[wake-resume-snapshot]"]),
 )
 
 SUITE = Suite(

@@ -256,7 +256,7 @@ IMAGE_FORMAT: Final = 1
 # The formats this agent restores from: the one it writes and every older one it still reads. A new
 # format keeps the older ones here (and whatever reading their manifests needs), so an agent upgraded
 # while workers sleep wakes them from the captures its predecessor wrote instead of sending each to a
-# cold restart (tests/integration/test_agent_upgrade.py). An agent rolled back to a release older than
+# cold restart (tests/integration/node/test_agent_restart.py). An agent rolled back to a release older than
 # a capture cannot read it: docs/install.md says to wake every worker before such a rollback.
 IMAGE_FORMATS_READ: Final = frozenset({1})
 MANIFEST_FILE: Final = "manifest.json"

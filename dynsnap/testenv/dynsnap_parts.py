@@ -243,7 +243,8 @@ async def token_kubeconfig(cluster: LocalCluster, *, namespace: str, sa: str, pa
 
 @dataclass
 class AgentProc:
-    """``dynsnap agent`` for one fake node, as its own process under the agent's service account."""
+    """``dynsnap agent`` for one node, as its own process under the agent's service account (a fake
+    node's; or the real node's in place of the chart's agent pod, with that pod's host directories)."""
 
     node: str
     kubeconfig: Path
@@ -252,14 +253,16 @@ class AgentProc:
     extra: list[str] = field(default_factory=list)
     proc: Supervised | None = None
     env: dict[str, str] = field(default_factory=dict)  # more environment for the agent process
+    images: Path | None = None  # --images-root; None: under workdir
+    cuda_state: Path | None = None  # --state-dir; None: under workdir
 
     @property
     def images_root(self) -> Path:
-        return self.workdir / "images"
+        return self.images or self.workdir / "images"
 
     @property
     def state_dir(self) -> Path:
-        return self.workdir / "cuda-state"
+        return self.cuda_state or self.workdir / "cuda-state"
 
     @property
     def log_path(self) -> Path:

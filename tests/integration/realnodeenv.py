@@ -29,9 +29,9 @@ from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env,
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 
-__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "api_server_env",
-           "chart_pod", "component_policy", "controller_through_proxy", "deployed", "edit_dgd", "installed",
-           "instance_id", "running", "scale_controller", "upgrade"]
+__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "agent_off_node",
+           "api_server_env", "chart_pod", "component_policy", "controller_through_proxy", "deployed", "edit_dgd",
+           "installed", "instance_id", "running", "scale_controller", "upgrade"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -199,3 +199,32 @@ async def scale_controller(env: Env, replicas: int) -> None:
         return len(pods) == replicas and all(chart_node.pod_ready(p) and not p["metadata"].get("deletionTimestamp")
                                              for p in pods)
     await wait_for(f"the chart's controller scaled to {replicas}", scaled, timeout=180, interval=1)
+
+
+DAEMON_SETS = Resource("apps", "v1", "daemonsets", "DaemonSet")
+OFF_NODE_LABEL = "dynsnap.io/test-no-such-node"  # a node label nobody sets
+
+
+@contextlib.asynccontextmanager
+async def agent_off_node(env: Env) -> AsyncIterator[Obj]:
+    """The chart's agent DaemonSet kept off the node (a nodeSelector term no node matches, by a patch of
+    the DaemonSet: its pod goes, no new one comes) for a module that runs the node's agent as a process
+    of its own; yields the DaemonSet as it was. Put back after (the term removed), its new pod Ready."""
+    (ds,) = (await env.api.list(DAEMON_SETS, namespace=NS, label_selector=(
+        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=agent")))["items"]
+    name = ds["metadata"]["name"]
+
+    async def agent_pods(n: int) -> bool:
+        pods = await env.chart_pods("agent")
+        return len(pods) == n and all(chart_node.pod_ready(p) and not p["metadata"].get("deletionTimestamp")
+                                      for p in pods)
+    patch = {"spec": {"template": {"spec": {"nodeSelector": {OFF_NODE_LABEL: "true"}}}}}
+    await env.api.merge_patch(DAEMON_SETS, name, patch, namespace=NS)
+    try:
+        await wait_for("the chart's agent pod gone from the node", lambda: agent_pods(0), timeout=120, interval=1)
+        yield ds
+    finally:
+        patch = {"spec": {"template": {"spec": {"nodeSelector": {OFF_NODE_LABEL: None}}}}}
+        await env.api.merge_patch(DAEMON_SETS, name, patch, namespace=NS)
+        await wait_for("the chart's agent pod back on the node, Ready", lambda: agent_pods(1), timeout=180,
+                       interval=1)

@@ -1,8 +1,8 @@
-"""What tests/integration/test_agent_restart.py needs to kill the node agent in the middle of one
+"""What the agent-killed matrix (restartmatrix.py) needs to kill the node agent in the middle of one
 step and start another: the agent killed and reaped, a helper an agent started found by what it
-is (helperprocs.py), the worker's entrypoint held (SIGSTOP) so it cannot
-acknowledge a request, the entrypoint's control files read through /proc/<pid>/root, and the
-``fake_slow_criu`` wrapper that holds a dump or a restore in flight.
+is (helperprocs.py), the worker's entrypoint held (SIGSTOP) so it cannot acknowledge a request, the
+entrypoint's control files read through /proc/<pid>/root (a sandbox's PID 1 or a real container's,
+by its host pid), and the ``fake_slow_criu`` wrapper that holds a dump or a restore in flight.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import AgentProc, StubDriver, eventually
-from helperprocs import Helper, helpers_of
+from helperprocs import Helper, helpers_for
 
 from dynsnap.models import protocol as P
-from dynsnap.testenv.cluster import RunningPod
 
 HERE = Path(__file__).resolve().parent
 
@@ -37,10 +36,11 @@ async def kill_agent(agent: AgentProc) -> None:
     agent.proc = None
 
 
-def helpers(pod: RunningPod) -> list[Helper]:
-    """The CRIU (with its nsenter) and dynsnap-cuda processes an agent started for this pod that still
-    run, found by what they are (helperprocs.py), not by the agent's own registry."""
-    return helpers_of(pod)
+def helpers(pidns: int, pid1: int) -> list[Helper]:
+    """The CRIU (with its nsenter) and dynsnap-cuda processes an agent started for the worker whose pid
+    namespace is ``pidns`` and whose entrypoint is host pid ``pid1`` that still run, found by what they
+    are (helperprocs.py), not by the agent's own registry."""
+    return helpers_for(pidns, pid1)
 
 
 def unhang(driver: StubDriver) -> None:
@@ -52,20 +52,20 @@ def unhang(driver: StubDriver) -> None:
 
 # -- the worker's entrypoint --------------------------------------------------------------------
 
-def control_dir(pod: RunningPod) -> Path:
-    """The entrypoint's control directory, reached as the agent reaches it (no volume)."""
-    return Path(f"/proc/{pod.sandbox.pid}/root") / P.ENTRYPOINT_CONTROL_DIR.lstrip("/")
+def control_dir(pid1: int) -> Path:
+    """The control directory of the entrypoint at host pid ``pid1``, reached as the agent reaches it (no volume)."""
+    return Path(f"/proc/{pid1}/root") / P.ENTRYPOINT_CONTROL_DIR.lstrip("/")
 
 
-def ep_info(pod: RunningPod) -> dict[str, Any]:
-    info: dict[str, Any] = json.loads((control_dir(pod) / P.ENTRYPOINT_CONTROL_FILE).read_text())
+def ep_info(pid1: int) -> dict[str, Any]:
+    info: dict[str, Any] = json.loads((control_dir(pid1) / P.ENTRYPOINT_CONTROL_FILE).read_text())
     return info
 
 
-def pending_request(pod: RunningPod) -> tuple[int, str] | None:
+def pending_request(pid1: int) -> tuple[int, str] | None:
     """The agent's last request (``SEQ STATE``), None when there is none or it is half-written."""
     try:
-        text = (control_dir(pod) / P.ENTRYPOINT_REQUEST_FILE).read_text()
+        text = (control_dir(pid1) / P.ENTRYPOINT_REQUEST_FILE).read_text()
     except OSError:
         return None
     parts = text.split()
@@ -75,29 +75,29 @@ def pending_request(pod: RunningPod) -> tuple[int, str] | None:
 
 
 @contextlib.contextmanager
-def entrypoint_stopped(pod: RunningPod) -> Iterator[int]:
-    """The pod's dynsnap-entrypoint stopped (SIGSTOP): it cannot acknowledge a request until the
-    block ends (SIGCONT), whatever happens in it. Yields the request_seq it had acknowledged."""
-    seq = int(ep_info(pod).get("request_seq") or 0)
-    os.kill(pod.sandbox.pid, signal.SIGSTOP)
+def entrypoint_stopped(pid1: int) -> Iterator[int]:
+    """The dynsnap-entrypoint at host pid ``pid1`` stopped (SIGSTOP): it cannot acknowledge a request
+    until the block ends (SIGCONT), whatever happens in it. Yields the request_seq it had acknowledged."""
+    seq = int(ep_info(pid1).get("request_seq") or 0)
+    os.kill(pid1, signal.SIGSTOP)
     try:
         yield seq
     finally:
-        os.kill(pod.sandbox.pid, signal.SIGCONT)
+        os.kill(pid1, signal.SIGCONT)
 
 
-async def wait_request(pod: RunningPod, after: int, state: str, *, timeout: float = 60) -> int:
+async def wait_request(pid1: int, after: int, state: str, *, timeout: float = 60) -> int:
     """Wait until the agent has written a request for ``state`` numbered past ``after``; its number."""
     async def written() -> int | None:
-        req = pending_request(pod)
+        req = pending_request(pid1)
         return req[0] if req is not None and req[0] > after and req[1] == state else None
     seq: int = await eventually(f"the agent's request for {state!r} (past seq {after})", written, timeout=timeout)
     return seq
 
 
-async def wait_ack(pod: RunningPod, seq: int, state: str, *, timeout: float = 30) -> dict[str, Any]:
+async def wait_ack(pid1: int, seq: int, state: str, *, timeout: float = 30) -> dict[str, Any]:
     async def acked() -> dict[str, Any] | None:
-        info = ep_info(pod)
+        info = ep_info(pid1)
         return info if int(info.get("request_seq") or 0) >= seq and info.get("state") == state else None
     info: dict[str, Any] = await eventually(f"the entrypoint's ack of {seq} {state}", acked, timeout=timeout)
     return info

@@ -1,6 +1,6 @@
 """What a save freed, read from dynsnap-cuda's own per-pid records (the format write_records in
 native/cuda/dynsnap-cuda.c writes): what a snapshot's manifest carries for the wake's free-memory
-check, right also when the agent that ran the save died (tests/integration/test_agent_restart.py
+check, right also when the agent that ran the save died (tests/integration/node/test_agent_restart.py
 shows that end to end against the real helper)."""
 
 from __future__ import annotations

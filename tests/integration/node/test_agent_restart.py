@@ -1,0 +1,212 @@
+"""The node agent killed in the middle of every step of a capture and of a wake, and replaced by the
+next release's while a worker sleeps, on the real node (kubelet, containerd, runc).
+
+- The agent-killed matrix's rows that a real container allows (restartmatrix.py says what each row
+  holds and checks; the rows that hold CRIU itself in flight stay in the sandbox, test_agent_restart.py
+  says why). SIGKILL with a step in flight, a new agent for the node, and the worker in its own
+  container consistent after: the capture or wake finished or rolled back, recorded, the same
+  container (kubelet's restartCount, its PID 1 and start), answering a request pinned to it.
+- A rolling upgrade across a capture format bump (issue 18: a format bump sent every snapshotted
+  worker to a cold restart): the next release's agent (``fake_next_agent``: this checkout's agent
+  with its capture format one newer and this one's still read, as that release's
+  ``IMAGE_FORMATS_READ`` would say) wakes the worker in place from the capture its predecessor wrote,
+  and its own captures carry its format.
+
+The agent killed at any instant and started again within a second is a process of the test's: the
+chart's agent DaemonSet is kept off the node for the module (realnodeenv.agent_off_node) and ``dynsnap
+agent`` runs on the node under the chart's agent service account, with the chart's host directories
+(images, state) and its driver, as the node's one agent (it also keeps the long sleep's worker asleep
+meanwhile, as any next agent would). Deleting the agent's pod at a step instead, the DaemonSet's next
+pod finishing the work, is test_real_node_faults.py's. The chart's controller is scaled to 0 and the
+test plays it (each row's WorkerSnapshot, the serving gate), as the sandbox suite did.
+
+The worker is examples/dgd/agg.yaml's (one replica, the local overlay) with one change: its liveness
+probe's failureThreshold is 6, not 1. The rows that stop the entrypoint (SIGSTOP, the test's doing)
+hold it for a second or two; under the example's threshold a probe landing in the stop would have
+kubelet restart the container for what the test did (node/test_long_sleep.py keeps the example's
+probe, with nothing stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from realnodecycle import pinned, state_is
+from realnodeenv import NS, WORKER_COMPONENT, Env, agent_off_node, deployed, instance_id, scale_controller
+from realnodefacts import container_procs, kubelet_facts
+from restart_faults import SlowCriu, ep_info
+from restartmatrix import ROWS, Container, Row, identity, run_row, set_desired, wait_ws, ws_body
+
+from dynsnap.k8s.client import Kube, Obj
+from dynsnap.k8s.errors import NotFound
+from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
+from dynsnap.runtime import procfs
+from dynsnap.testenv import chart_node
+from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.dynsnap_parts import AgentProc, StubDriver, token_kubeconfig
+from dynsnap.testenv.real_graph import NodePod
+
+pytestmark = pytest.mark.cluster
+
+NEXT_AGENT = Path(__file__).resolve().parent.parent / "fake_next_agent"
+NEXT_FORMAT = P.IMAGE_FORMAT + 1
+LIVENESS_FAILURES = 6  # the worker's liveness failureThreshold here (the example ships 1): see the docstring
+
+
+def stop_tolerant(body: Obj) -> Obj:
+    """``body`` with its worker's liveness probe failing the container only after LIVENESS_FAILURES probes."""
+    comp = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+    main = next(c for c in comp["podTemplate"]["spec"]["containers"] if c["name"] == "main")
+    main["livenessProbe"]["failureThreshold"] = LIVENESS_FAILURES
+    return body
+
+
+@dataclass
+class NodeRig:
+    """restartmatrix.Rig on the real node: the worker's real container, the node's agent as a process."""
+
+    env: Env
+    pod: NodePod
+    container_id: str  # kubelet's, at the start: a restarted container would have another
+    agent: AgentProc
+    driver: StubDriver
+    wid: int
+    criu: SlowCriu | None = None
+
+    @property
+    def api(self) -> Kube:
+        return self.env.api
+
+    @property
+    def images_root(self) -> Path:
+        return self.env.paths.images
+
+    def container(self) -> Container:
+        ep = container_procs(self.pod.uid, self.container_id).entrypoint
+        ns = procfs.pid_ns(ep)
+        assert ns is not None
+        return Container(ep, ns)
+
+    async def serving(self, on: bool) -> None:
+        await self.env.cluster.set_serving_gate(self.pod, on)
+        await self.env.cluster.wait_ready(self.pod.namespace, self.pod.name, ready=on, timeout=60)
+
+    async def restarts(self) -> int:
+        facts = await kubelet_facts(self.env.api, self.pod)
+        assert facts.container_id == self.container_id and facts.running, facts
+        return facts.restart_count
+
+    async def answered(self, prompt: str) -> None:
+        await pinned(self.env, self.pod, 1, prompt=prompt)
+
+
+@pytest.fixture(scope="module")
+async def rig(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[NodeRig]:
+    work = Path(tmp_path_factory.mktemp("agent-restart"))
+    body = stop_tolerant(chart_node.example_body(env, name="rst", worker_replicas=1,
+                                                 policy={"dynsnap.io/tier": "suspend"}))
+    async with deployed(env, body) as graph:
+        w = graph.workers(WORKER_COMPONENT)[0]
+        wid = await instance_id(env, w)
+        # The controller made the worker's WorkerSnapshot and set its gate; now nobody but the test does.
+        await scale_controller(env, 0)
+        try:
+            async with agent_off_node(env) as ds:
+                await env.api.delete(R.WORKER_SNAPSHOTS, w.name, namespace=w.namespace)  # each row makes its own
+
+                async def gone() -> bool:
+                    try:
+                        await env.api.get(R.WORKER_SNAPSHOTS, w.name, namespace=w.namespace)
+                    except NotFound:
+                        return True
+                    return False
+                await wait_for("the controller's WorkerSnapshot gone", gone, timeout=60, interval=0.5)
+                sa = ds["spec"]["template"]["spec"]["serviceAccountName"]
+                kubeconfig = await token_kubeconfig(env.cluster, namespace=NS, sa=sa, path=work / "agent.kubeconfig")
+                agent = AgentProc(env.node.name, kubeconfig, work, env.driver, images=env.paths.images,
+                                  cuda_state=env.paths.cuda_state)
+                await agent.start()
+                try:
+                    facts = await kubelet_facts(env.api, w)
+                    yield NodeRig(env, w, facts.container_id, agent, env.driver, wid)
+                except BaseException:
+                    print(f"--- the node's agent (a process of the test's) ---\n{agent.tail(120)}")
+                    raise
+                finally:
+                    await agent.stop()
+        finally:
+            await scale_controller(env, 1)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if not r.holds_criu], ids=str)
+async def test_agent_killed_during(rig: NodeRig, row: Row) -> None:
+    await run_row(rig, row, restarts_in_stops=True)
+
+
+def _manifest(ws: Obj) -> Obj:
+    m: Obj = json.loads((Path(ws["status"]["image"]["path"]) / P.MANIFEST_FILE).read_text())
+    return m
+
+
+async def _capture(rig: NodeRig) -> Obj:
+    await rig.serving(False)
+    await set_desired(rig, "Suspended")
+    return await wait_ws(rig, "Suspended", state_is("Suspended", suspended=True))
+
+
+async def _wake_and_serve(rig: NodeRig, prompt: str) -> Obj:
+    await set_desired(rig, "Active")
+    ws = await wait_ws(rig, "Active", state_is("Active", suspended=False), timeout=120)
+    await rig.serving(True)
+    await rig.answered(prompt)
+    return ws
+
+
+async def _replace_agent(rig: NodeRig, env: dict[str, str]) -> None:
+    """The DaemonSet rolls: the node's agent goes (SIGTERM), the next one comes, with ``env``."""
+    await rig.agent.stop()
+    rig.agent.env = env
+    await rig.agent.start()
+
+
+async def test_the_next_agent_wakes_a_worker_its_predecessor_snapshotted(rig: NodeRig) -> None:
+    api, pod = rig.api, rig.pod
+    before, restarts = await identity(rig), await rig.restarts()
+    pid1 = rig.container().pid1
+    started = ep_info(pid1)["started"]
+    await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="snapshot"))
+    try:
+        await wait_ws(rig, "Accepted, Active", state_is("Active"))
+        asleep = await _capture(rig)
+        assert _manifest(asleep)["format"] == P.IMAGE_FORMAT
+
+        # The old agent goes, the next release's comes, the worker asleep meanwhile.
+        path = [str(NEXT_AGENT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        await _replace_agent(rig, {"PYTHONPATH": os.pathsep.join(path),
+                                   "DYNSNAP_FAKE_NEXT_IMAGE_FORMAT": str(NEXT_FORMAT)})
+        ws = await wait_ws(rig, "still asleep under the next agent", state_is("Suspended", suspended=True))
+        assert ws["status"]["image"]["path"] == asleep["status"]["image"]["path"]
+
+        woken = await _wake_and_serve(rig, "after the upgrade")
+        assert woken["status"]["lastWake"]["ok"] is True and woken["status"].get("lastError") is None, \
+            woken["status"]
+        assert woken["status"]["lastWake"]["steps"][1]["name"] == "restore", woken["status"]["lastWake"]
+        assert (rig.container().pid1, ep_info(pid1)["started"]) == (pid1, started), \
+            "the container restarted: the worker was not woken in place"
+        assert await identity(rig) == before and await rig.restarts() == restarts
+
+        # The next agent's own capture carries its format, and it wakes from that too.
+        again = await _capture(rig)
+        assert _manifest(again)["format"] == NEXT_FORMAT
+        await _wake_and_serve(rig, "after the next agent's own capture")
+        assert ep_info(pid1)["started"] == started and await rig.restarts() == restarts
+    finally:
+        if rig.agent.env:
+            await _replace_agent(rig, {})  # this release's agent again, for whatever runs after
+        await api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
