@@ -24,6 +24,7 @@ sleep only while the third serves (``min-active: 1``). One graph for the module.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +39,14 @@ from trustenv import refused, replace_report, start_forged_on_node, start_ticks
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
+from dynsnap.models import resources as R
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.real_graph import Graph, NodePod
 
 pytestmark = pytest.mark.cluster
 
 RUNNING = 0  # the stub driver's state of a process that runs
+TOUCHED = "dynsnap-test/touched"  # an annotation of the test's: a change of the pod, for the agent to look at once
 CASES = {
     "oversized": ("EntrypointUnreadable", "is larger than 65536 bytes"),
     "malformed": ("EntrypointUnreadable", "not JSON"),
@@ -83,14 +86,20 @@ def tampered(case: str, genuine: Obj, node_file: Path) -> bytes | None:
 
 async def serve_again(env: Env, w: NodePod, report: Path, genuine: bytes, first: KubeletFacts) -> None:
     """Asked to serve first, then its genuine report back: restored while Suspended is still asked and
-    the worker is out of serving, the agent's next look would rightly capture it. Accepted again, it
-    answers requests pinned to it, the same pod."""
+    the worker is out of serving, the agent's next look would rightly capture it. Then its pod touched
+    (an annotation of the test's), which the agent looks at at once rather than at its next re-look (up
+    to CONTAINER_RELOOK_S later): the controller's return of the refused worker runs against the wake
+    deadline (the package's wakeTimeout, 30 s), whose end puts it out of serving again (most likely what
+    a cold .ci/run once met: a pinned request answered 400 right after the frontend had routed one to
+    it). Accepted again, it answers requests pinned to it, the same pod."""
     try:
         await override(env, w, "active")
         await wait_ws(env, w, "Active asked", lambda ws: bool(ws and ws["spec"]["desiredState"] == "Active"),
                       timeout=120)
     finally:
         replace_report(report, genuine)
+        await env.api.merge_patch(R.PODS, w.name, {"metadata": {"annotations": {TOUCHED: str(time.time())}}},
+                                  namespace=w.namespace)
     await wait_ws(env, w, "accepted again", lambda ws: bool((c := cond(ws, "Accepted")) and c["status"] == "True"),
                   timeout=120)
     await pinned(env, w, prompt="still yours")
