@@ -59,7 +59,7 @@ async def run_agent(kube: Kube, settings: AgentSettings, *, stop: asyncio.Event 
         # On stop the reconciles in flight are cancelled, not waited for: a capture can take minutes,
         # and every step is safe to cut (its helpers die with it; the next agent finishes or rolls back).
         try:
-            await run_until_stopped(agent.run(), stop)
+            await run_until_stopped(agent.run(), stop, on_stop=agent.queue.shutdown)
         finally:
             agent.queue.shutdown()
 

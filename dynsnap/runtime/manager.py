@@ -248,15 +248,22 @@ async def _cancel_all(tasks: Sequence[asyncio.Task[Any]], timeout: float, *, wha
             t.exception()
 
 
-async def run_until_stopped(aw: Awaitable[None], stop: asyncio.Event) -> None:
-    """Await ``aw`` until it ends (its error propagates) or ``stop`` is set (it is cancelled and
-    waited for); a runnable built on a loop that knows nothing of ``stop`` uses this."""
+async def run_until_stopped(aw: Awaitable[None], stop: asyncio.Event, *,
+                            on_stop: Callable[[], None] | None = None) -> None:
+    """Await ``aw`` until it ends (its error propagates) or ``stop`` is set (``on_stop`` is called,
+    then it is cancelled and waited for); a runnable built on a loop that knows nothing of ``stop``
+    uses this. ``on_stop`` is for a loop that must end even where a cancellation goes missing: a
+    work queue's shutdown, so that a worker whose cancellation was swallowed (Python 3.11's
+    ``asyncio.wait_for`` can lose one that lands as its inner call completes) ends at its next
+    ``get`` instead of going on reconciling after the client it writes through is closed."""
     task = asyncio.ensure_future(aw)
     stopper = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()
+        elif on_stop is not None:
+            on_stop()
     finally:
         await _cancel_quietly(task, stopper)
 

@@ -15,6 +15,7 @@ import pytest
 
 from dynsnap.k8s.errors import InformerFailed
 from dynsnap.runtime.manager import Manager, run_until_stopped
+from dynsnap.runtime.workqueue import WorkQueue, run_workers
 
 BOUND = 10.0  # every wait in these tests gives up after this many seconds
 
@@ -319,3 +320,35 @@ async def test_run_until_stopped_cancels_on_stop_and_passes_errors_on(no_leaked_
 
     with pytest.raises(KeyError, match="no such worker"):
         await asyncio.wait_for(run_until_stopped(broken(), asyncio.Event()), BOUND)
+
+
+async def test_run_until_stopped_ends_a_worker_whose_cancellation_went_missing(no_leaked_tasks: None) -> None:
+    """A reconcile that swallows its cancellation (as Python 3.11's asyncio.wait_for can when the call it
+    waits on completes in the same step) finishes, and its worker then ends at the queue's shutdown
+    (``on_stop``) instead of taking the next key: nothing reconciles after run_until_stopped returned.
+    Without ``on_stop`` the worker waits in ``get`` and the call never returns (the BOUND here)."""
+    queue: WorkQueue[str] = WorkQueue()
+    journal: list[str] = []
+    stop = asyncio.Event()
+    inside = asyncio.Event()
+
+    async def reconcile(key: str) -> float | None:
+        journal.append(f"start {key}")
+        if key == "a":
+            inside.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                journal.append("a: cancellation swallowed")  # the bug this guards against
+            queue.add("b")  # more work arrives as it finishes
+        return None
+
+    queue.add("a")
+    run = asyncio.create_task(run_until_stopped(run_workers(queue, reconcile, workers=1), stop,
+                                                on_stop=queue.shutdown))
+    await asyncio.wait_for(inside.wait(), BOUND)
+    stop.set()
+    assert await asyncio.wait_for(run, BOUND) is None
+    assert journal == ["start a", "a: cancellation swallowed"], journal
+    await asyncio.sleep(0.05)
+    assert journal == ["start a", "a: cancellation swallowed"], "a reconcile ran after the call returned"
