@@ -396,6 +396,13 @@ MUTATIONS = (
         "    if f.helper_running:\n        return Step.WAIT_HELPER\n",
         "    if False:\n        return Step.WAIT_HELPER\n",
         tests=[NODE_RESTART + "[capture-save-suspend]", NODE_RESTART + "[wake-resume-snapshot]"]),
+    mutation(
+        "queue-not-shut-on-stop", "a stopping agent cancels its workers without shutting its queue down first: a "
+        "worker whose cancellation went missing goes on reconciling", "dynsnap/runtime/manager.py",
+        "        elif on_stop is not None:\n            on_stop()\n",
+        "        elif False:\n            pass\n",
+        tests=["tests/unit/test_runtime_manager.py::"
+               "test_run_until_stopped_ends_a_worker_whose_cancellation_went_missing"]),
 )
 
 SUITE = Suite(
