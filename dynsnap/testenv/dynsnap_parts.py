@@ -20,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import yaml
 
@@ -30,7 +31,7 @@ from dynsnap.models import resources as R
 from dynsnap.models.crd import workersnapshot_crd
 from dynsnap.runtime import procfs
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import LocalCluster, RunningPod
+from dynsnap.testenv.cluster import LocalCluster
 from dynsnap.testenv.process import Supervised
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
@@ -379,7 +380,26 @@ async def deploy_serving(cluster: LocalCluster, body: Obj) -> D.Graph:
     return graph
 
 
-def ws_body(pod: RunningPod, *, tier: str, desired: str = "Active", container: str = "main") -> Obj:
+class PodRef(Protocol):
+    """A pod by its identity: a sandbox's RunningPod, or a real node's NodePod (real_graph)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def uid(self) -> str: ...
+
+
+class PodOnNode(PodRef, Protocol):
+    """A pod by its identity, and its node."""
+
+    @property
+    def node(self) -> str: ...
+
+
+def ws_body(pod: PodOnNode, *, tier: str, desired: str = "Active", container: str = "main") -> Obj:
+    """The WorkerSnapshot the controller would make for ``pod`` (for tests that play the controller)."""
     return {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND,
             "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": {P.LABEL_NODE: pod.node},
                          "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod.name, "uid": pod.uid,
@@ -388,7 +408,7 @@ def ws_body(pod: RunningPod, *, tier: str, desired: str = "Active", container: s
                      "desiredState": desired}}
 
 
-async def set_desired(api: Kube, pod: RunningPod, desired: str) -> None:
+async def set_desired(api: Kube, pod: PodOnNode, desired: str) -> None:
     await api.merge_patch(R.WORKER_SNAPSHOTS, pod.name, {"spec": {"desiredState": desired}}, namespace=pod.namespace)
 
 

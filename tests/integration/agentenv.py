@@ -22,6 +22,7 @@ from dynsnap.testenv.dynsnap_parts import (  # noqa: F401 (re-exported for the t
     AGENT_NS,
     AGENT_SA,
     AgentProc,
+    PodOnNode,
     StubDriver,
     build_stub_driver,
     deploy_serving,
@@ -37,7 +38,7 @@ def condition(ws: Obj, ctype: str) -> Obj | None:
     return next((c for c in (ws.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
 
 
-async def wait_ws(api: Kube, pod: RunningPod, what: str, check: Callable[[Obj], bool], *, timeout: float = 90,
+async def wait_ws(api: Kube, pod: PodOnNode, what: str, check: Callable[[Obj], bool], *, timeout: float = 90,
                   agents: list[AgentProc] | None = None) -> Obj:
     async def probe() -> Obj | None:
         with contextlib.suppress(NotFound):

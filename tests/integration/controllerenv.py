@@ -28,7 +28,7 @@ from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import NODES, LocalCluster, wait_for
-from dynsnap.testenv.dynsnap_parts import CONTROLLER_SA, ControllerProc
+from dynsnap.testenv.dynsnap_parts import CONTROLLER_SA, ControllerProc, PodRef
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy, Fault
 
 
@@ -154,19 +154,6 @@ async def running(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj],
         raise
     finally:
         await stop_env(env)
-
-
-class PodRef(Protocol):
-    """A pod by its identity: a sandbox's RunningPod, or a real node's NodePod (real_graph)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def uid(self) -> str: ...
 
 
 async def get_ws(api: Kube, pod: PodRef) -> Obj | None:

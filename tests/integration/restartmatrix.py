@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from agentenv import AgentProc, StubDriver, condition, eventually, state_is
+import agentenv
+from agentenv import AgentProc, StubDriver, condition, eventually, state_is, ws_body
 from restart_faults import (
     SlowCriu,
     control_dir,
@@ -56,7 +57,7 @@ from dynsnap.k8s.client import Kube, Obj
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
-from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.dynsnap_parts import PodOnNode
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3  # stub_libcuda's state file
 # A save or resume held this long gives the new agent time to start and find the helper still at
@@ -139,19 +140,6 @@ def expected_steps(row: Row) -> list[str]:
     }[row.step]
 
 
-class Worker(Protocol):
-    """The worker's pod as the API server names it (a sandbox's RunningPod, a real node's NodePod)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def namespace(self) -> str: ...
-    @property
-    def uid(self) -> str: ...
-    @property
-    def node(self) -> str: ...
-
-
 @dataclass(frozen=True)
 class Container:
     """The worker's container as the kernel shows it now: its entrypoint's host pid (PID 1 of its pid
@@ -166,7 +154,7 @@ class Rig(Protocol):
     in every row), the stub driver its GPU processes map, and (rows that hold CRIU) fake_slow_criu."""
 
     api: Kube
-    pod: Worker
+    pod: PodOnNode
     agent: AgentProc
     driver: StubDriver
     criu: SlowCriu | None
@@ -183,35 +171,12 @@ class Rig(Protocol):
         """A request pinned to the worker, through the frontend, answered by it."""
 
 
-def ws_body(pod: Worker, *, tier: str) -> Obj:
-    """The WorkerSnapshot the controller would make for ``pod`` (the rows play the controller)."""
-    return {"apiVersion": f"{P.DYNSNAP_GROUP}/{P.WS_VERSION}", "kind": P.WS_KIND,
-            "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": {P.LABEL_NODE: pod.node},
-                         "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod.name, "uid": pod.uid,
-                                              "blockOwnerDeletion": False}]},
-            "spec": {"podName": pod.name, "podUID": pod.uid, "container": "main", "tier": tier,
-                     "desiredState": "Active"}}
-
-
 async def set_desired(rig: Rig, desired: str) -> None:
-    await rig.api.merge_patch(R.WORKER_SNAPSHOTS, rig.pod.name, {"spec": {"desiredState": desired}},
-                              namespace=rig.pod.namespace)
+    await agentenv.set_desired(rig.api, rig.pod, desired)
 
 
 async def wait_ws(rig: Rig, what: str, check: Callable[[Obj], bool], *, timeout: float = 90) -> Obj:
-    pod = rig.pod
-
-    async def probe() -> Obj | None:
-        ws: Obj = await rig.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-        return ws if check(ws) else None
-    try:
-        found: Obj = await wait_for(f"WorkerSnapshot {pod.name}: {what}", probe, timeout=timeout, interval=0.2)
-    except TimeoutError:
-        last = await rig.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-        print("LAST STATUS:", json.dumps(last.get("status"), indent=1))
-        print(f"--- agent log ---\n{rig.agent.tail(80)}")
-        raise
-    return found
+    return await agentenv.wait_ws(rig.api, rig.pod, what, check, timeout=timeout, agents=[rig.agent])
 
 
 # -- what the node shows ------------------------------------------------------------------------
