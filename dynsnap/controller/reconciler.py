@@ -6,7 +6,8 @@ again: never later than the soonest deadline an open phase waits on.
 Order (docs/CONTROLLER.md): admission (``admission.py``: create or replace the WorkerSnapshot, a
 policy that does not parse); the capture asked for (``capture.py``: done, refused for good, called
 off, past its deadline); the wake asked for (``wake.py``: lost, past its deadline); then the
-planner's word (``plan.py``) for a worker that is not broken: awake (``wake.awake``: ask the wake,
+planner's word (``plan.py``) for a worker that is not broken (one the agent does not accept goes
+back to serving if it was being taken out: ``wake.unaccepted``): awake (``wake.awake``: ask the wake,
 call off a quiesce, verify the return: ``verify.py``) or asleep (``quiesce.py``). Every wait is a
 "look again after T", never a sleep; every deadline is measured from a time recorded in status,
 so a restarted controller carries on where the last one stopped. Telemetry is emitted from the
@@ -128,7 +129,7 @@ class Reconciler:
         phase = s.phase
         log.debug("%s: phase %s, %s (%s)", s.key, phase, decision.want, decision.why)
         if phase == Phase.BROKEN:
-            return None
+            return await W.unaccepted(self.ctx, s, policy)
         ws = s.snap
         # The tier (and the engine's sleep level) of the policy reach the spec only while the worker is
         # awake and asked to stay so: a wake follows the tier of the capture it wakes from.

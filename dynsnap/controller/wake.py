@@ -9,6 +9,8 @@
   (``WakeFailed``, the fallback), and the planner no longer counts the worker as awake.
 - :func:`awake`: what the planner's *awake* means for the worker where it is: ask the wake, call
   off a quiesce, verify a return, or set the serving gate of a worker that never left.
+- :func:`unaccepted`: a worker the agent does not accept (``Accepted=False``) that this controller
+  was taking out of serving goes back at once, not at the capture's deadline.
 
 Layer: ``dynsnap.controller``.
 """
@@ -105,6 +107,50 @@ async def reconcile_wake(ctx: Ctx, s: Scope, policy: Policy) -> Step:
     if out.left is not None:
         s.until(out.left)
     return NEXT
+
+
+def _untouched_since_quiesce(ws: WorkerSnapshot, rec: ControllerRecord) -> bool:
+    """The agent has not captured the worker, nor begun to, since the last quiesce (see :func:`unaccepted`)."""
+    if ws.status.state in (P.ObservedState.SUSPENDED, P.ObservedState.CAPTURING, P.ObservedState.WAKING,
+                           P.ObservedState.LOST):
+        return False
+    lc, q = ws.status.last_capture, rec.quiesce
+    return lc is None or q is None or lc.started < q.started or (lc.finished is not None and lc.ok is False)
+
+
+async def unaccepted(ctx: Ctx, s: Scope, policy: Policy) -> float | None:
+    """The agent does not accept the pod (``Accepted=False``: what its container holds or says about
+    itself, its annotations): it captures nothing while that stands, and the planner counts the
+    worker nowhere. One this controller was taking out of serving and that the agent has not begun to
+    capture goes back now rather than at the capture's deadline (``capture_timeout``, minutes): the
+    capture asked for is called off (a Warning ``CaptureRefused`` naming the agent's reason), an open
+    quiesce is closed, and the return is verified like any recall. A worker captured or on its way
+    (only its agent can wake it), or one that never left serving, is left alone. The agent's state of
+    a refused pod is mostly ``Unknown`` (it could not read what the container says), so "not begun"
+    is its records': no capture since the quiesce but one that failed (and so was rolled back)."""
+    ws, rec = s.snap, s.rec
+    acc = ws.condition(P.ConditionType.ACCEPTED)
+    if acc is None or acc.status != "False" or not _untouched_since_quiesce(ws, rec):
+        return None
+    why = f"the agent does not accept the pod: {acc.reason}: {acc.message}"
+    if ws.spec.desired_state == DesiredState.SUSPENDED:
+        try:
+            reason = Reason(acc.reason)
+        except ValueError:
+            reason = Reason.CAPTURE_REFUSED
+        err = ErrorRecord(reason=reason, message=why[:4000], at=s.now, generation=ws.metadata.generation)
+        note = f"capture called off: {why}; back into serving"
+        return await request_wake(ctx, s, note, event=("Warning", Reason.CAPTURE_REFUSED, note), error=err)
+    if rec.quiesce is not None and rec.quiesce.finished is None:
+        rec.quiesce.finished, rec.quiesce.ok = utcnow(), False
+        rec.decision, rec.decided = f"capture called off: {why}", utcnow()
+        await ctx.write(ws, rec)
+        await ctx.say(s.pod, "Warning", Reason.CAPTURE_REFUSED, f"capture called off: {why}; back into serving",
+                      occurrence=rec.quiesce.id)
+        return 0.0
+    if F.verification_pending(ws):
+        return await V.verify(ctx, s, policy)
+    return None
 
 
 async def awake(ctx: Ctx, s: Scope, policy: Policy, d: Decision) -> float | None:

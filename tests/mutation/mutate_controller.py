@@ -74,6 +74,9 @@ REFUSAL_HOLDS_UNIT = PHASES_UNIT + "test_a_refusal_holds_until_the_pod_the_spec_
 ROUTING_UNIT = "tests/unit/test_controller_routing.py::"
 WOR_LAST_UNIT = PLAN_UNIT + "test_with_wake_on_request_only_the_last_worker_sleeps_routable"
 WOR_HELD_UNIT = PLAN_UNIT + "test_a_routable_sleeper_is_its_agents_to_wake_and_counts_as_waking"
+UNACCEPTED_UNIT = "tests/unit/test_controller_unaccepted.py::"
+NODE_TRUST = ("tests/integration/node/test_agent_trust.py::"
+              "test_an_unusable_entrypoint_report_in_a_real_container_is_refused_and_nothing_is_touched[malformed]")
 WOR_TWO = "tests/integration/node/test_wake_on_request.py::test_two_requests_at_once_wake_one_worker_not_two"
 REFUSED_FOR_GOOD = ("tests/integration/node/test_controller_refusals.py::"
                     "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again")
@@ -343,6 +346,21 @@ MUTATIONS = (
         "            (st.last_wake is not None and st.last_wake.finished is None):\n",
         "            False:\n",
         tests=[FLEET_UNIT], modules=["dynsnap.controller.fleet"]),
+    # -- a worker the agent does not accept, taken out of serving -------------------------------------
+    mutation(
+        "unaccepted-left-out", "a worker the agent refuses (Accepted=False) while the controller takes it out "
+        "of serving is left out of serving until the capture's deadline", RECONCILER,
+        "            return await W.unaccepted(self.ctx, s, policy)\n",
+        "            return None\n",
+        tests=[NODE_TRUST]),
+    mutation(
+        "unaccepted-captured-called-back", "a worker the agent captured before it refused the pod is asked "
+        "Active by the controller as if it had never left", WAKE,
+        "    return lc is None or q is None or lc.started < q.started or "
+        "(lc.finished is not None and lc.ok is False)\n",
+        "    return True\n",
+        tests=[UNACCEPTED_UNIT + "test_the_agents_capture_record_since_the_quiesce_decides"],
+        modules=["dynsnap.controller.wake"]),
 )
 
 SUITE = Suite(

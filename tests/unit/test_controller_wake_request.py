@@ -59,15 +59,24 @@ def scope(pod: dict[str, Any], ws: dict[str, Any]) -> Scope:
                  parsed=ParsedPolicy(Policy()), endpoint_ready=None, now=utcnow())
 
 
-async def test_a_stale_reconcile_asks_again_as_the_same_wake() -> None:
-    stale = _ws()
-    kube = stub_Kube(copy.deepcopy(stale))
+def reconciler_over(ws: dict[str, Any]) -> tuple[Reconciler, stub_Kube, Store]:
+    """A reconciler whose API server is a stub_Kube holding ``ws``, and its WorkerSnapshot store."""
+    kube = stub_Kube(copy.deepcopy(ws))
     wss = Store()
-    wss.upsert(copy.deepcopy(stale))
+    wss.upsert(copy.deepcopy(ws))
     r = Reconciler(kube=kube, settings=ControllerSettings(leader_elect=False),  # type: ignore[arg-type]
                    stores=Stores(dgds=Store(), pods=Store(), dwms=Store(), slices=Store(), wss=wss),
                    frontend=Frontend(timeout=1.0))
-    pod = {"metadata": {"name": "w-0", "namespace": "ns", "uid": UID}}
+    return r, kube, wss
+
+
+POD = {"metadata": {"name": "w-0", "namespace": "ns", "uid": UID}}
+
+
+async def test_a_stale_reconcile_asks_again_as_the_same_wake() -> None:
+    stale = _ws()
+    r, kube, wss = reconciler_over(stale)
+    pod = POD
     d = Decision(Want.AWAKE, "manual override: active")
     await W.awake(r.ctx, scope(pod, stale), Policy(), d)
     first = kube.patches[-1]["metadata"]["annotations"][P.ANN_TRACEPARENT]

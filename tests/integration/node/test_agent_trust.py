@@ -10,8 +10,14 @@ node holding a right-looking report. Then the worker is asked to sleep (its over
 suspend``). The agent refuses it (``Accepted=False`` with ``EntrypointUnreadable`` or
 ``UnsafeContainerPath`` and what was wrong), and nothing is touched: no request reaches the
 entrypoint, no driver call changes a state, the worker process and its container are the same, the
-node's file is byte for byte what it was. Once the worker is asked to serve and its genuine report is
-back, it is accepted and answers requests pinned to it, the same pod.
+node's file is byte for byte what it was. And the worker is back in serving without anyone asking:
+whether the agent's refusal came before the controller's quiesce, during it, or after the capture was
+asked (all three happen; each case prints which), the controller calls the capture off (a Warning
+``CaptureRefused`` naming the agent's reason), Active is asked and the return verified by pinned
+requests, rather than the worker waiting out of serving for the capture's deadline (15 minutes: what
+a cold .ci/run met once, the capture asked before the refusal and nothing asking Active back). Once
+its genuine report is back (the override then ``active``), it is accepted and answers requests pinned
+to it, the same pod.
 
 While one worker stays refused, the agent serves the node's other workers: a peer is captured and woken
 in place, verified, with a process of the node named criu carrying ``DYNSNAP_OP=<the peer's pod
@@ -25,12 +31,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from controllerenv import cond, get_ws
+from controllerenv import cond, events_for, gate_of, get_ws
 from realnodecycle import cycle, override, pinned, same_pod, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, deployed
 from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
@@ -84,14 +91,37 @@ def tampered(case: str, genuine: Obj, node_file: Path) -> bytes | None:
     return None
 
 
+def back_in_serving(since: datetime) -> Callable[[Obj | None], bool]:
+    """Active asked and no quiesce open; one begun since ``since`` closed as called off (ok False) and
+    the return after it verified by pinned requests (the controller's verification record)."""
+    def check(ws: Obj | None) -> bool:
+        if not ws or ws["spec"].get("desiredState") != "Active":
+            return False
+        ctl = (ws.get("status") or {}).get("controller") or {}
+        q, v = ctl.get("quiesce"), ctl.get("verification") or {}
+        if not q or datetime.fromisoformat(q["started"]) < since:
+            return True  # refused before the controller began taking it out: it never left
+        return bool(q.get("finished") and q.get("ok") is False and v.get("ok") is True
+                    and v["started"] >= q["started"])
+    return check
+
+
+def order(ws: Obj, since: datetime) -> str:
+    """When the agent's refusal came, as the controller's records tell it."""
+    ctl = (ws.get("status") or {}).get("controller") or {}
+    q, cap = ctl.get("quiesce") or {}, ctl.get("capture") or {}
+    if not q or datetime.fromisoformat(q["started"]) < since:
+        return "before the controller's quiesce: the worker never left serving"
+    if cap and datetime.fromisoformat(cap["started"]) >= datetime.fromisoformat(q["started"]):
+        return "after the capture was asked: the capture called off, the return verified"
+    return "during the quiesce: the quiesce called off, the return verified"
+
+
 async def serve_again(env: Env, w: NodePod, report: Path, genuine: bytes, first: KubeletFacts) -> None:
-    """Asked to serve first, then its genuine report back: restored while Suspended is still asked and
-    the worker is out of serving, the agent's next look would rightly capture it. Then its pod touched
-    (an annotation of the test's), which the agent looks at at once rather than at its next re-look (up
-    to CONTAINER_RELOOK_S later): the controller's return of the refused worker runs against the wake
-    deadline (the package's wakeTimeout, 30 s), whose end puts it out of serving again (most likely what
-    a cold .ci/run once met: a pinned request answered 400 right after the frontend had routed one to
-    it). Accepted again, it answers requests pinned to it, the same pod."""
+    """The override ``active`` first (``suspended`` still on the pod would have the planner capture the
+    worker the moment it is accepted again), then its genuine report back and its pod touched (an
+    annotation of the test's), which the agent looks at at once rather than at its next re-look (up to
+    CONTAINER_RELOOK_S later). Accepted again, it answers requests pinned to it, the same pod."""
     try:
         await override(env, w, "active")
         await wait_ws(env, w, "Active asked", lambda ws: bool(ws and ws["spec"]["desiredState"] == "Active"),
@@ -121,6 +151,7 @@ async def test_an_unusable_entrypoint_report_in_a_real_container_is_refused_and_
     content = tampered(case, json.loads(genuine), node_file)
     node_before = node_file.read_bytes() if node_file.exists() else None
     mark = len(env.driver.calls())
+    since = datetime.now(UTC)
     replace_report(report, node_file if content is None else content)
     try:
         await override(env, w, "suspended")
@@ -134,6 +165,17 @@ async def test_an_unusable_entrypoint_report_in_a_real_container_is_refused_and_
         assert container_procs(w.uid, first.container_id).root == procs.root, "the same worker process"
         if node_before is not None:
             assert node_file.read_bytes() == node_before, "the node's file was written through the symlink"
+        back = await wait_ws(env, w, "back in serving, the capture called off", back_in_serving(since), timeout=120)
+        quiesce = ((back.get("status") or {}).get("controller") or {}).get("quiesce") or {}
+        took_out = bool(quiesce) and datetime.fromisoformat(quiesce["started"]) >= since
+        print(f"[{case}] the refusal came {order(back, since)}")
+        pod = await env.api.get(R.PODS, w.name, namespace=w.namespace)
+        assert gate_of(pod) == "True", pod["status"]
+        if took_out:
+            notes = [e.get("note", "") for e in await events_for(env.api, w.namespace, w.name)
+                     if e.get("reason") == "CaptureRefused" and e.get("type") == "Warning"]
+            assert any(f"does not accept the pod: {reason}" in n for n in notes), notes
+        assert container_procs(w.uid, first.container_id).root == procs.root, "the same worker process"
     finally:
         await serve_again(env, w, report, genuine, first)
 
