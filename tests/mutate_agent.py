@@ -48,7 +48,6 @@ NODE = "dynsnap/agent/node.py"
 EDGE = "dynsnap/agent/edge.py"
 
 FAULTS = "tests/integration/test_agent_faults.py::"
-REFUSALS = "tests/integration/test_agent_refusals.py::"
 GPU_MISSING = FAULTS + "test_gpu_process_outside_the_dumped_tree_fails_the_capture_and_the_worker_comes_back"
 PIDS_TAKEN = FAULTS + "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free[other]"
 PIDS_TAKEN_ROOT = ("tests/integration/node/test_agent_faults.py::"
@@ -68,7 +67,8 @@ RELOOK = (NODE_REFUSALS + "test_a_worker_whose_report_turns_unusable_and_right_a
 EXEC_SERVING = "tests/native/test_agent_exec.py::test_exec_refuses_a_capture_not_confirmed_out_of_serving"
 WRONG_UID = NODE_REFUSALS + "test_the_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing[uid-of-another-pod]"
 ADMIT_UNIT = "tests/unit/test_agent_admit.py"
-NCCL = REFUSALS + "test_ranks_on_nccl_without_the_settings_the_driver_needs_are_refused_before_any_lock"
+NCCL = ("tests/integration/node/test_agent_ranks.py::"
+        "test_ranks_on_nccl_without_the_settings_the_driver_needs_are_refused_before_any_lock")
 RESERVE_UNIT = "tests/unit/test_agent_images.py::test_captures_at_once_each_count_the_others_reservation"
 GATE_CONFIRMED = "tests/integration/test_agent_serving_gate.py"
 PERMANENT = FAULTS + "test_a_permanent_refusal_is_not_retried_until_the_spec_changes"

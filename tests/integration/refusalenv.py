@@ -1,8 +1,8 @@
-"""What the agent-refusal tests (test_agent_refusals.py) need beyond agentenv.py: WorkerSnapshot bodies
-the API accepts but the agent must refuse, a worker with two GPU processes that map a library named
-like NCCL's, what a worker looks like from the node (entrypoint state, its processes, the stub driver's
-calls, images on disk), its own Dynamo metrics, the agent's scrapes of them as the node's TCP table
-shows them, and a long streamed chat request pinned to one worker.
+"""What the agent-refusal tests (node/test_agent_refusals.py, node/test_agent_ranks.py and others) need
+beyond agentenv.py: WorkerSnapshot bodies the API accepts but the agent must refuse, a library named
+like NCCL's for a worker's two GPU processes to map, what a worker looks like from the node (what a
+process maps, the stub driver's calls), its own Dynamo metrics, the agent's scrapes of them as the
+node's TCP table shows them, and a long streamed chat request pinned to one worker.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -28,7 +27,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import worker_ids_from
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import RunningPod, wait_for
+from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.dynsnap_parts import AgentProc, StubDriver
 
 # The NCCL settings under which the CUDA driver restored two checkpointed ranks (DESIGN.md section 2),
@@ -50,18 +49,6 @@ def build_fake_nccl(out: Path) -> Path:
     lib = out / "libnccl.so.2"
     subprocess.run(["gcc", "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(lib), str(src)], check=True)
     return lib
-
-
-def with_second_gpu_process(comp: Obj) -> Obj:
-    """The component's worker started by a launcher: a shell that starts a second process (``sleep``,
-    which maps whatever LD_PRELOAD names, as the worker does) as its child, then execs the mocker in
-    its own place. The second process is the mocker's child: part of the worker tree, as a second
-    rank spawned by an engine would be."""
-    main = comp["extraPodSpec"]["mainContainer"]
-    cmd = list(main["command"])
-    at = cmd.index("--") + 1 if "--" in cmd else 0  # after dynsnap-entrypoint's own arguments
-    main["command"] = [*cmd[:at], "/bin/sh", "-c", 'sleep infinity & exec "$@"', "launcher", *cmd[at:]]
-    return comp
 
 
 def hostile_ws(*, name: str, namespace: str, node: str, pod_name: str, pod_uid: str, tier: str = "snapshot",
@@ -127,35 +114,12 @@ def refused_or_capturing(reason: str, *, containing: str = "") -> Callable[[Obj]
     return check
 
 
-def entrypoint_info(pod: RunningPod) -> dict[str, Any]:
-    """The pod's entrypoint control file, read the way the agent reads it (through /proc/<pid>/root)."""
-    path = Path(f"/proc/{pod.sandbox.pid}/root") / P.ENTRYPOINT_CONTROL_DIR.lstrip("/") / P.ENTRYPOINT_CONTROL_FILE
-    info: dict[str, Any] = json.loads(path.read_text())
-    return info
-
-
 def _status(pid: int) -> dict[str, str]:
     out = {}
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, value = line.partition(":")
             out[key] = value.strip()
-    return out
-
-
-def pod_processes(pod: RunningPod) -> dict[int, dict[str, str]]:
-    """Every live process of the pod's pid namespace: host pid -> its /proc status fields."""
-    ns = os.stat(f"/proc/{pod.sandbox.pid}/ns/pid").st_ino
-    out = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.stat(f"/proc/{entry.name}/ns/pid").st_ino != ns:
-                continue
-            st = _status(int(entry.name))
-            if st and st.get("State", "X")[0] not in ("Z", "X"):
-                out[int(entry.name)] = st
     return out
 
 
@@ -167,21 +131,9 @@ def maps(pid: int) -> set[str]:
     return set()
 
 
-def stub_key(pid: int) -> int:
-    """The key under which the stub driver (with ``nskey 0``) keeps a process's state: its pid
-    namespace's inode and its pid there, as stub_libcuda.c's state_key computes it."""
-    nspid = int(_status(pid)["NSpid"].split()[-1])
-    return (os.stat(f"/proc/{pid}/ns/pid").st_ino << 22) | nspid
-
-
 def state_changes_since(driver: StubDriver, mark: int) -> list[str]:
     """The stub driver's state-changing calls logged after the first ``mark`` lines."""
     return [c for c in driver.calls()[mark:] if c.split(" ", 1)[0] in STATE_CHANGING_CALLS]
-
-
-def image_files(agents: list[AgentProc]) -> list[Path]:
-    """Everything under the agents' image roots (capture images, staging directories)."""
-    return [p for a in agents if a.images_root.exists() for p in a.images_root.rglob("*")]
 
 
 async def worker_metrics(pod: D.HasIP, *, port: int = P.DYNAMO_SYSTEM_PORT) -> str:
