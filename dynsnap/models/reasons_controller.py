@@ -61,7 +61,11 @@ CONTROLLER_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "(`SeccompOff`, `PidReservationMissing`, `UnsafeMultiGpu`, `DiskBudgetExceeded`; the note names it). "
         "The worker was put back into serving at once (desiredState Active, verified like a called-off "
         "quiesce) and the controller does not ask it to sleep again, not even for `dynsnap suspend`, until "
-        "the pod (its UID), its WorkerSnapshot's spec or the component's `dynsnap.io/` policy changes.",
+        "the pod (its UID), its WorkerSnapshot's spec or the component's `dynsnap.io/` policy changes. "
+        "A note beginning `capture called off: the agent does not accept the pod: <Reason>` says the agent "
+        "refused the pod itself (`Accepted=False`: `EntrypointUnreadable`, `UnsafeContainerPath`, ...) while "
+        "the controller was taking the worker out of serving: it went back at once, verified, and nothing is "
+        "remembered (once the agent accepts the pod it is planned as any other).",
         "Fix what the agent's reason names (docs/operations.md has an entry for each), or change the policy "
         "(e.g. `dynsnap.io/tier: suspend` for a refusal of tier snapshot); the next policy change, spec change "
         "or a new pod makes the worker eligible again."),
