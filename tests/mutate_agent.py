@@ -49,14 +49,17 @@ EDGE = "dynsnap/agent/edge.py"
 
 FAULTS = "tests/integration/test_agent_faults.py::"
 GPU_MISSING = FAULTS + "test_gpu_process_outside_the_dumped_tree_fails_the_capture_and_the_worker_comes_back"
-PIDS_TAKEN = FAULTS + "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free[other]"
+PIDS_TAKEN = ("tests/integration/node/test_agent_faults.py::"
+              "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free[other]")
 PIDS_TAKEN_ROOT = ("tests/integration/node/test_agent_faults.py::"
-                   "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free")
+                   "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free[root]")
 HELPER_HANG = ("tests/integration/node/test_agent_faults.py::"
                "test_helper_hanging_past_its_bound_is_killed_rolled_back_and_retried")
-LOCK_TIMEOUT = FAULTS + "test_lock_that_never_comes_back_fails_the_capture_and_unlocks_the_others"
+LOCK_TIMEOUT = ("tests/integration/node/test_agent_faults.py::"
+                "test_a_lock_that_never_comes_back_for_one_of_two_gpu_processes_unlocks_the_other")
 IO_URING = FAULTS + "test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapped_one"
-BUDGET = FAULTS + "test_capture_over_the_disk_budget_is_refused_before_it_starts"
+BUDGET = ("tests/integration/node/test_agent_faults.py::"
+          "test_a_capture_over_the_disk_budget_is_refused_before_it_starts")
 PIDFLOOR = ("tests/integration/node/test_controller_refusals.py::"
             "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again[PidReservationMissing]")
 CRIU_FDS = "tests/integration/node/test_agent.py::test_a_worker_through_each_tier_and_back_is_the_same_worker[snapshot]"

@@ -1,8 +1,8 @@
-"""The node agent under failing parts (issue 8's fault matrix): CRIU failing, a lock that never comes back
-for one of a worker's two GPU processes, a full disk, a GPU process missing from the images, a restore
-whose pid another process of the dumped tree needs is taken, the pod deleted mid-capture. (The CUDA
-helper hanging past its bound, a lock that never comes back, a debugger attached to the worker and a
-squatter on the worker's own pid run on the real node: node/test_agent_faults.py.) Each test causes the
+"""The node agent under failing parts (issue 8's fault matrix): CRIU failing, a disk full mid-dump, a
+GPU process missing from the images, the pod deleted mid-capture. (The CUDA helper hanging past its
+bound, a lock that never comes back for one or both of a worker's GPU processes, a debugger attached
+to the worker, a capture over the image budget, and a restore whose pid a squatter took, of the worker
+or of another process of its tree, run on the real node: node/test_agent_faults.py.) Each test causes the
 fault for real (or through a named fake where it cannot be had on demand), asserts the Reason and the
 error text the agent reports for it, and ends with the worker running or restorable: the entrypoint
 active (or asleep with its images kept), every GPU process running in the (stub) driver, no process
@@ -13,19 +13,18 @@ bounds: ``--failure-backoff 1``, ``--helper-timeout 3``, ``--lock-timeout-ms 100
 ``--gc-interval 2``, and fake_held_criu as its ``--criu`` (it runs the real CRIU; it only holds back
 the exit of a dump when a test asks it to).
 
-Sandbox, why: these faults need workers the example does not ship (faults_launcher.py: an io_uring fd
-holder, a GPU process outside the worker tree), CRIU swapped for fake_held_criu, or images roots on
-small tmpfs mounts made before the pods start; not yet moved to the real node.
+Sandbox, why: these faults need a worker the example does not ship (faults_launcher.py's io_uring fd
+holder, driven from the node through the pod's namespaces), CRIU swapped for fake_held_criu, or images
+roots on tmpfs mounts made before the pods start. The GPU process outside the tree (row 4) was tried on
+the real node (2026-12-06) and left here: there the agent's rollback after IncompleteCapture restores
+with CRIU failing "Can't fork for 10000: File exists" (PidsInUse), the wake runs out its deadline and
+the fallback deletes the pod, which the sandbox does not show; see docs/TESTING.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import re
-import signal
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -64,7 +63,6 @@ from faultsenv import (
     io_uring_fds,
     io_uring_maps,
     maps_cuda,
-    occupy_pid,
     pod_image_dir,
     pod_procs,
     restart_agent,
@@ -96,7 +94,6 @@ class Env:
     work: Path
     base: list[str]  # the agent's extra flags for this module
     ids: dict[str, int]
-    small_root: Path  # tmpfs of 8 MiB (row 3)
     full_root: Path  # tmpfs with room for bytes but 16 inodes (row 3)
 
     def pod(self, component: str) -> RunningPod:
@@ -120,13 +117,12 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
     with contextlib.ExitStack() as mounts:
         # Mounted before the pods start: CRIU writes the images from inside the pod's mount namespace,
         # a copy of the node's taken when the pod started (mounts made later do not reach it).
-        small_root = mounts.enter_context(tmpfs(work / "small-images", "size=8m,mode=0700"))
         full_root = mounts.enter_context(tmpfs(work / "full-images", "size=1g,nr_inodes=16,mode=0700"))
         g = await deploy_serving(cluster, D.dgd("flt", [
             D.frontend_component(),
-            fault_worker("plain", driver, launcher=["--fd-holder", HOLDER]),  # rows 1 (io_uring, CRIU), 2, 3, 5
+            fault_worker("plain", driver, launcher=["--fd-holder", HOLDER]),  # rows 1 (io_uring, CRIU), 3
             fault_worker("noseccomp", driver, entrypoint=["--no-seccomp"]),  # row 1 (seccomp off)
-            fault_worker("orphan", driver, launcher=["--orphan-gpu"]),  # rows 2 (lock), 4
+            fault_worker("orphan", driver, launcher=["--orphan-gpu"]),  # row 4
             worker_component("victim", replicas=1, driver=driver),  # row 6: its pod is deleted
         ]))
         fe = D.FrontendClient(g.frontend)
@@ -138,7 +134,7 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
                 pod = g.workers(comp)[0]
                 ids[pod.name] = await D.instance_id(cluster, pod)
                 await fe.wait_routable(ids[pod.name])
-            yield Env(cluster, g, fe, agent, driver, held, work, base, ids, small_root, full_root)
+            yield Env(cluster, g, fe, agent, driver, held, work, base, ids, full_root)
         finally:
             held.release()
             await fe.close()
@@ -315,56 +311,7 @@ async def test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapp
         await _finish(env, pod)
 
 
-# -- row 2: the helper hanging past its bound; a lock that never comes back ----------------------------
-
-async def test_lock_that_never_comes_back_fails_the_capture_and_unlocks_the_others(env: Env) -> None:
-    """One GPU process's lock does not come back within --lock-timeout-ms (the driver answers
-    CUDA_ERROR_NOT_READY): CheckpointFailed with the driver's error, the process locked before it
-    unlocked again, nothing checkpointed, the worker back in service."""
-    pod = env.pod("orphan")  # two GPU processes: the worker and its daemonized helper
-    gpu = sorted(assert_running(pod, env.driver))  # the helper locks them in this order
-    assert len(gpu) == 2
-    first, second = gpu
-    checkpoints = len(stub_calls(env.driver, "cuCheckpointProcessCheckpoint", first))
-    env.driver.control(f"hang cuCheckpointProcessLock {second} 30000")
-    try:
-        await _start(env, pod, "suspend")
-        ws = await _wait(env, pod, "CheckpointFailed", error_is("CheckpointFailed", step="save"))
-        err = ws["status"]["lastError"]
-        assert "CUDA_ERROR_NOT_READY" in err["message"], err
-        _degraded(ws, "CheckpointFailed")
-        assert stub_calls(env.driver, "cuCheckpointProcessLock", first)[-1].endswith("timeout=1000 rc=0")
-        assert stub_calls(env.driver, "cuCheckpointProcessLock", second)[-1].endswith("timeout=1000 rc=600")
-        assert stub_calls(env.driver, "cuCheckpointProcessUnlock", first)[-1].endswith("rc=0"), \
-            "the lock taken before the one that timed out was rolled back"
-        assert len(stub_calls(env.driver, "cuCheckpointProcessCheckpoint", first)) == checkpoints, \
-            "nothing was checkpointed"
-        await _back_to_serving(env, pod)
-    finally:
-        await _finish(env, pod)
-
-
 # -- row 3: a full disk ---------------------------------------------------------------------------------
-
-async def test_capture_over_the_disk_budget_is_refused_before_it_starts(env: Env) -> None:
-    pod = env.pod("plain")
-    before = _lock_calls(env, pod)
-    root = env.small_root
-    try:
-        await restart_agent(env.agent, [*env.base, "--images-root", str(root), "--images-budget-bytes", str(4 << 20)])
-        await _start(env, pod, "snapshot")
-        ws = await _wait(env, pod, "DiskBudgetExceeded", error_is("DiskBudgetExceeded", step="quiesce"))
-        err = ws["status"]["lastError"]
-        assert re.search(r"capture estimated at \d+ MiB; images on this node use 0 MiB of a 4 MiB budget",
-                         err["message"]), err
-        _degraded(ws, "DiskBudgetExceeded")
-        _nothing_changed(env, pod, ws, before)
-        assert image_entries(env.agent, pod, root) == []
-        await _back_to_serving(env, pod)
-    finally:
-        await _finish(env, pod)
-        await restart_agent(env.agent, env.base)
-
 
 async def test_disk_full_mid_dump_fails_with_enospc_and_rolls_back(env: Env) -> None:
     """The images root has bytes for the estimate but runs out of space mid-dump (a tmpfs out of
@@ -422,52 +369,6 @@ async def test_gpu_process_outside_the_dumped_tree_fails_the_capture_and_the_wor
 
 async def _no_images(env: Env, pod: RunningPod) -> bool:
     return image_entries(env.agent, pod) == []
-
-
-# -- row 5: a restore whose pid is taken -------------------------------------------------------------------
-
-@pytest.mark.parametrize("which", ["other"])  # "root": node/test_agent_faults.py, on the real node
-async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free(env: Env, which: str) -> None:
-    pod = env.pod("plain")
-    try:
-        await _start(env, pod, "snapshot")
-        ws = await _wait(env, pod, "Suspended", state_is("Suspended", suspended=True))
-        image = Path(ws["status"]["image"]["path"])
-        manifest = json.loads((image / P.MANIFEST_FILE).read_text())
-        # A process of the dumped tree other than its root (the fd holder), as any process entering
-        # the namespace may land on its pid; or the root's own pid: a squatter there is not the
-        # worker (it is not the entrypoint's child), so the agent must not settle it as woken.
-        target = (manifest["rootNsPid"] if which == "root"
-                  else max(p["ns"] for p in manifest["pids"] if p["ns"] != manifest["rootNsPid"]))
-        sleeper = occupy_pid(pod, target)
-        try:
-            await set_desired(env.api, pod, "Active")
-            ws = await _wait(env, pod, "PidsInUse", error_is("PidsInUse", step="restore"))
-            err = ws["status"]["lastError"]
-            assert f"the capture's pids are taken in the pod's namespace: ['{target}:sleep']" in err["message"], err
-            _degraded(ws, "PidsInUse")
-            info = ep_info(pod)
-            # Still restoring: the agent did not take the squatter for the worker. (On the root's pid
-            # the entrypoint itself sees a child of its own at the worker's pid and says it is alive;
-            # the agent knows better from the dumped worker's command line, and never asks it to go
-            # active over a squatter.)
-            assert info["state"] == "restoring" and info["worker_alive"] is (which == "root")
-            assert ws["status"]["state"] == "Waking"
-            assert (image / P.MANIFEST_FILE).is_file(), "the images are kept"
-            assert not (image / "restore.log").exists(), "CRIU was not called"
-        finally:
-            os.kill(sleeper, signal.SIGKILL)
-        ws = await _wait(env, pod, "Active once the pid is free", state_is("Active", suspended=False))
-        st = ws["status"]
-        assert st["lastWake"]["ok"] is True, st["lastWake"]
-        assert "lastError" not in st
-        assert "restore" in [s["name"] for s in st["lastWake"]["steps"]]
-        await quiesce(env.cluster, pod, serving=True)
-        await _pinned(env, pod)
-        assert_running(pod, env.driver)
-        await eventually("the capture woken from removed", lambda: _no_images(env, pod), timeout=60)
-    finally:
-        await _finish(env, pod)
 
 
 # -- row 6: the pod deleted mid-capture ---------------------------------------------------------------------

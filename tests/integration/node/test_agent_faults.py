@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 from controllerenv import asleep, cond, get_ws, verified_after
-from faultsenv import debugger_attached, error_is, occupy_ns_pid
-from realnodecycle import override, proven, same_pod, wait_ws
+from faultsenv import debugger_attached, error_is, maps_cuda, occupy_ns_pid, stub_calls
+from realnodecycle import override, pinned, proven, same_pod, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, deployed, upgrade
 from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
 
@@ -41,6 +41,7 @@ pytestmark = pytest.mark.cluster
 
 BOUNDS = {"helperTimeout": 3, "lockTimeoutMs": 1000, "failureBackoff": 1}
 RUNNING = 0  # the stub driver's state of a process that runs
+BUDGET = 4 << 20  # bytes: far below any worker's capture estimate
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,40 @@ async def bounded(env: Env) -> AsyncIterator[Env]:
         await upgrade(env, before)
 
 
-def graph(env: Env, name: str, tier: str) -> Obj:
-    return chart_node.example_body(env, name=name, worker_replicas=2, policy={"dynsnap.io/tier": tier})
+# A worker launcher (``sh -c SCRIPT launcher MOCKER-ARGS...`` in the entrypoint's place for the worker):
+# a second GPU process (``sleep``, which maps the stub driver as every process of the container does
+# through LD_PRELOAD) started as the worker's child, a second rank an engine would spawn.
+TWO_GPU_PROCESSES = 'sleep infinity & exec "$@"'
+
+
+@pytest.fixture
+async def budgeted(bounded: Env) -> AsyncIterator[Env]:
+    """The module's install with the agent's image budget at 4 MiB (``agent.imagesBudgetBytes``, a
+    ``helm upgrade``), undone after."""
+    before = copy.deepcopy(bounded.values)
+    values = copy.deepcopy(before)
+    values["agent"] = {**values.get("agent", {}), "imagesBudgetBytes": BUDGET}
+    await upgrade(bounded, values)
+    try:
+        yield bounded
+    finally:
+        await upgrade(bounded, before)
+
+
+def graph(env: Env, name: str, tier: str, launcher: str | None = None) -> Obj:
+    body = chart_node.example_body(env, name=name, worker_replicas=2, policy={"dynsnap.io/tier": tier})
+    if launcher is not None:
+        worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+        main = next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main")
+        cmd: list[str] = main["command"]
+        at = cmd.index("--") + 1  # after dynsnap-entrypoint's own arguments; the mocker is the container's args
+        main["command"] = [*cmd[:at], "/bin/sh", "-c", launcher, "launcher"]
+    return body
+
+
+def gpu_processes(w: NodePod, container_id: str) -> list[int]:
+    """Host pids of the container's processes that map the (stub) CUDA driver, but its PID 1."""
+    return sorted(p for p in container_procs(w.uid, container_id).tree if maps_cuda(p))
 
 
 def degraded(ws: Obj, reason: str) -> None:
@@ -178,6 +211,41 @@ async def test_lock_that_never_comes_back_fails_the_capture_and_the_worker_serve
         await same_pod(env, w, first)
 
 
+async def test_a_lock_that_never_comes_back_for_one_of_two_gpu_processes_unlocks_the_other(bounded: Env) -> None:
+    """Two GPU processes in the worker tree, the second's lock never coming back (CUDA_ERROR_NOT_READY
+    after lockTimeoutMs): CheckpointFailed, the first process's lock taken before it rolled back
+    (unlocked), nothing checkpointed, both running in the driver again; captured once the lock comes
+    back and woken in place, the same two processes."""
+    env = bounded
+    async with deployed(env, graph(env, "flt-lock2", "suspend", TWO_GPU_PROCESSES)) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        gpu = gpu_processes(w, first.container_id)
+        assert len(gpu) == 2 and container_procs(w.uid, first.container_id).root == gpu[0], gpu
+        one, two = gpu  # the helper locks them in this order
+        checkpoints = len(stub_calls(env.driver, "cuCheckpointProcessCheckpoint", one))
+        env.driver.control(f"hang cuCheckpointProcessLock {two} 30000")
+        try:
+            await override(env, w, "suspended")
+            ws = await wait_ws(env, w, "CheckpointFailed", error_is("CheckpointFailed", step="save"), timeout=120)
+            assert "CUDA_ERROR_NOT_READY" in ws["status"]["lastError"]["message"], ws["status"]["lastError"]
+            degraded(ws, "CheckpointFailed")
+            assert stub_calls(env.driver, "cuCheckpointProcessLock", one)[-1].endswith("timeout=1000 rc=0")
+            assert stub_calls(env.driver, "cuCheckpointProcessLock", two)[-1].endswith("timeout=1000 rc=600")
+            assert stub_calls(env.driver, "cuCheckpointProcessUnlock", one)[-1].endswith("rc=0"), \
+                "the lock taken before the one that timed out was rolled back"
+            assert len(stub_calls(env.driver, "cuCheckpointProcessCheckpoint", one)) == checkpoints, \
+                "nothing was checkpointed"
+            await rolled_back(env, w, one, "CheckpointFailed")
+            assert stub_state(env.driver, two) == RUNNING
+        finally:
+            mark = len(env.driver.calls())
+            env.driver.clear_faults()
+        await captured_then_woken(env, w, "suspend", mark)
+        await same_pod(env, w, first)
+        assert gpu_processes(w, first.container_id) == gpu, "the same two processes (tier suspend keeps them)"
+
+
 async def test_criu_cannot_dump_a_traced_worker_and_the_worker_is_rolled_back(bounded: Env) -> None:
     """A debugger attached to the worker from the node (PTRACE_SEIZE, as gdb or py-spy attach): CRIU,
     in the container's namespaces, cannot seize a traced task. The dump fails (DumpFailed, CRIU's own
@@ -206,34 +274,41 @@ async def test_criu_cannot_dump_a_traced_worker_and_the_worker_is_rolled_back(bo
         await same_pod(env, w, first)
 
 
-async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free(bounded: Env) -> None:
-    """A snapshot's worker pid taken in the container's pid namespace while it sleeps (a squatter there is
-    not the worker, though it is the entrypoint's child at the worker's pid): the agent refuses the restore
-    (PidsInUse, naming the pid and what holds it), calls no CRIU, keeps the images and never settles the
+@pytest.mark.parametrize("which", ["root", "other"])
+async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free(bounded: Env, which: str) -> None:
+    """A pid of a snapshot's tree taken in the container's pid namespace while it sleeps, as any process
+    entering the namespace may land on it: the worker's own (``root``: a squatter there is not the
+    worker, though it is the entrypoint's child at the worker's pid), or another process of the dumped
+    tree (``other``: the worker's second GPU process, TWO_GPU_PROCESSES). The agent refuses the restore
+    (PidsInUse, naming the pid and what holds it), calls no CRIU, keeps the images and never settles a
     squatter as woken; once the pid is free the next attempt restores the worker, verified, in the same
     container."""
     env = bounded
-    async with deployed(env, graph(env, "flt-pids", "snapshot")) as g:
+    launcher = TWO_GPU_PROCESSES if which == "other" else None
+    async with deployed(env, graph(env, f"flt-pids-{which}", "snapshot", launcher)) as g:
         w = g.workers(WORKER_COMPONENT)[1]
         first = await kubelet_facts(env.api, w)
         await override(env, w, "suspended")
         slept = await wait_ws(env, w, "asleep (snapshot)", asleep)
         image = Path(slept["status"]["image"]["path"])
-        root = json.loads((image / P.MANIFEST_FILE).read_text())["rootNsPid"]
+        manifest = json.loads((image / P.MANIFEST_FILE).read_text())
+        root = manifest["rootNsPid"]
+        target = root if which == "root" else max(p["ns"] for p in manifest["pids"] if p["ns"] != root)
         ep = container_procs(w.uid, first.container_id).entrypoint
-        sleeper = occupy_ns_pid(ep, root)  # the node's /proc: a container's /proc/sys is read-only
+        sleeper = occupy_ns_pid(ep, target)  # the node's /proc: a container's /proc/sys is read-only
         try:
             before = (slept["status"].get("lastWake") or {}).get("id")
             await override(env, w, "active")
             ws = await wait_ws(env, w, "PidsInUse", error_is("PidsInUse", step="restore"), timeout=60)
             err = ws["status"]["lastError"]
-            assert f"the capture's pids are taken in the pod's namespace: ['{root}:sleep']" in err["message"], err
+            assert f"the capture's pids are taken in the pod's namespace: ['{target}:sleep']" in err["message"], err
             degraded(ws, "PidsInUse")
             assert ws["status"]["state"] == "Waking", ws["status"]
-            # Still restoring: the entrypoint sees a child of its own at the worker's pid and says it is
-            # alive; the agent knows better (the dumped worker's command line) and never settles it.
+            # Still restoring. On the root's pid the entrypoint sees a child of its own at the worker's
+            # pid and says it is alive; the agent knows better (the dumped worker's command line) and
+            # never settles it. On another pid the entrypoint sees no worker at all.
             info = control_file(ep)
-            assert info["state"] == "restoring" and info["worker_alive"] is True, info
+            assert info["state"] == "restoring" and info["worker_alive"] is (which == "root"), info
             assert (image / P.MANIFEST_FILE).is_file(), "the images are kept"
             assert not (image / "restore.log").exists(), "CRIU was not called"
         finally:
@@ -243,3 +318,42 @@ async def test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_fr
         assert "restore" in [s["name"] for s in wake["steps"]], wake
         assert "lastError" not in woken["status"], woken["status"]
         await same_pod(env, w, first)
+
+
+async def test_a_capture_over_the_disk_budget_is_refused_before_it_starts(budgeted: Env) -> None:
+    """The agent's image budget (``agent.imagesBudgetBytes``, 4 MiB here) below the capture's estimate:
+    refused before any change (``DiskBudgetExceeded`` at the quiesce step, the estimate, the node's use
+    and the budget named), no lock asked of the driver, no image of the worker written; a refusal for
+    good, so the controller puts the worker back into serving at once, verified, the same container."""
+    env = budgeted
+    async with deployed(env, graph(env, "flt-budget", "snapshot")) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        gpu = await worker_gpu_pid(env, w)
+        locks = len(stub_calls(env.driver, "cuCheckpointProcessLock", gpu))
+        await override(env, w, "suspended")
+        ws = await wait_ws(env, w, "DiskBudgetExceeded", error_is("DiskBudgetExceeded", step="quiesce"), timeout=120)
+        err = ws["status"]["lastError"]
+        assert re.search(r"capture estimated at \d+ MiB; images on this node use \d+ MiB of a 4 MiB budget",
+                         err["message"]), err
+        degraded(ws, "DiskBudgetExceeded")
+        cap = ws["status"]["lastCapture"]
+        assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce"], cap
+        assert len(stub_calls(env.driver, "cuCheckpointProcessLock", gpu)) == locks, "the driver was asked to lock"
+        assert stub_state(env.driver, gpu) == RUNNING
+        images = env.paths.images
+        assert not [p for p in images.iterdir() if w.uid in p.name and any(p.iterdir())] if images.is_dir() else True
+        back = await wait_ws(env, w, "back in serving, verified", verified_recall, timeout=120)
+        assert ((back["status"].get("controller") or {}).get("refusal") or {}).get("reason") == "DiskBudgetExceeded"
+        await pinned(env, w, prompt="under budget")
+        await same_pod(env, w, first)
+        assert await worker_gpu_pid(env, w) == gpu, "the same worker process"
+        await override(env, w, None)
+
+
+def verified_recall(ws: Obj | None) -> bool:
+    """Active asked and the return from the last quiesce (a recall: it never slept) verified."""
+    rec = ((ws or {}).get("status") or {}).get("controller") or {}
+    v, q = rec.get("verification") or {}, rec.get("quiesce") or {}
+    return bool(ws and ws["spec"]["desiredState"] == "Active" and v.get("ok") is True
+                and v.get("wakeId") == f"recall-{q.get('id')}")
