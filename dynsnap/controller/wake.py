@@ -109,6 +109,19 @@ async def reconcile_wake(ctx: Ctx, s: Scope, policy: Policy) -> Step:
     return NEXT
 
 
+async def _call_off_quiesce(ctx: Ctx, s: Scope, why: str, *, event: tuple[str, Reason, str]) -> float:
+    """The open quiesce closed as called off (``why``), on record, and said: ``event`` is the Event's
+    kind, reason and what its note adds after ``capture called off: <why>``. The return is verified next."""
+    rec = s.rec
+    assert rec.quiesce is not None
+    rec.quiesce.finished, rec.quiesce.ok = utcnow(), False
+    rec.decision, rec.decided = f"capture called off: {why}", utcnow()
+    await ctx.write(s.snap, rec)
+    kind, reason, more = event
+    await ctx.say(s.pod, kind, reason, f"capture called off: {why}{more}", occurrence=rec.quiesce.id)
+    return 0.0
+
+
 def _untouched_since_quiesce(ws: WorkerSnapshot, rec: ControllerRecord) -> bool:
     """The agent has not captured the worker, nor begun to, since the last quiesce (see :func:`unaccepted`)."""
     if ws.status.state in (P.ObservedState.SUSPENDED, P.ObservedState.CAPTURING, P.ObservedState.WAKING,
@@ -142,12 +155,7 @@ async def unaccepted(ctx: Ctx, s: Scope, policy: Policy) -> float | None:
         note = f"capture called off: {why}; back into serving"
         return await request_wake(ctx, s, note, event=("Warning", Reason.CAPTURE_REFUSED, note), error=err)
     if rec.quiesce is not None and rec.quiesce.finished is None:
-        rec.quiesce.finished, rec.quiesce.ok = utcnow(), False
-        rec.decision, rec.decided = f"capture called off: {why}", utcnow()
-        await ctx.write(ws, rec)
-        await ctx.say(s.pod, "Warning", Reason.CAPTURE_REFUSED, f"capture called off: {why}; back into serving",
-                      occurrence=rec.quiesce.id)
-        return 0.0
+        return await _call_off_quiesce(ctx, s, why, event=("Warning", Reason.CAPTURE_REFUSED, "; back into serving"))
     if F.verification_pending(ws):
         return await V.verify(ctx, s, policy)
     return None
@@ -155,17 +163,12 @@ async def unaccepted(ctx: Ctx, s: Scope, policy: Policy) -> float | None:
 
 async def awake(ctx: Ctx, s: Scope, policy: Policy, d: Decision) -> float | None:
     """The worker should be awake: one step toward serving, proven."""
-    ws, rec = s.snap, s.rec
+    ws = s.snap
     if ws.spec.desired_state == DesiredState.SUSPENDED:
         return await request_wake(ctx, s, f"wake: {d.why}", event=("Normal", Reason.WAKE_REQUESTED, f"wake: {d.why}"))
     phase = s.phase
     if phase == Phase.QUIESCING:
-        assert rec.quiesce is not None
-        rec.quiesce.finished, rec.quiesce.ok = utcnow(), False
-        rec.decision, rec.decided = f"capture called off: {d.why}", utcnow()
-        await ctx.write(ws, rec)
-        await ctx.say(s.pod, "Normal", Reason.ACTIVE, f"capture called off: {d.why}", occurrence=rec.quiesce.id)
-        return 0.0
+        return await _call_off_quiesce(ctx, s, d.why, event=("Normal", Reason.ACTIVE, ""))
     if phase == Phase.WAKING:
         return None  # the agent is at it; its status write (or the wake's deadline) brings us back
     if ws.status.state != P.ObservedState.ACTIVE:
