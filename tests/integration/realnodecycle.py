@@ -122,6 +122,17 @@ async def all_ready(env: Env, pods: list[NodePod]) -> bool:
     return True
 
 
+def back_after_refusal(reason: str) -> Callable[[Obj | None], bool]:
+    """Refused for good for ``reason``, on record, Active wanted, and the return (a recall) verified."""
+    def check(ws: Obj | None) -> bool:
+        rec = ((ws or {}).get("status") or {}).get("controller") or {}
+        ref, v, q = rec.get("refusal") or {}, rec.get("verification") or {}, rec.get("quiesce") or {}
+        return bool(ws and ref.get("reason") == reason and ws["spec"]["desiredState"] == "Active"
+                    and v.get("ok") is True and v.get("wakeId") == f"recall-{q.get('id')}"
+                    and v.get("started", "") >= q.get("started", "~"))
+    return check
+
+
 def state_is(state: str, *, suspended: bool | None = None) -> Callable[[Obj | None], bool]:
     """The agent reports ``state`` (and, if given, the Suspended condition True or False)."""
     def check(ws: Obj | None) -> bool:

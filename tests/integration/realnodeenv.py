@@ -29,9 +29,10 @@ from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env,
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 
-__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "WORKER_COMPONENT", "Env", "ServingLooks", "agent_off_node",
-           "api_server_env", "chart_pod", "component_policy", "controller_through_proxy", "deployed", "edit_dgd",
-           "installed", "instance_id", "running", "scale_controller", "upgrade"]
+__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "TWO_GPU_PROCESSES", "WORKER_COMPONENT", "Env", "ServingLooks",
+           "agent_off_node", "api_server_env", "chart_pod", "component_policy", "controller_through_proxy", "deployed",
+           "edit_dgd", "installed", "instance_id", "launched_by", "running", "scale_controller", "upgrade",
+           "worker_main"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -152,6 +153,29 @@ def component_policy(body: Obj, component: str, annotations: dict[str, str]) -> 
     where Dynamo 1.6.1's v1beta1 keeps a component's metadata); returns ``body``."""
     comp = next(c for c in body["spec"]["components"] if c["name"] == component)
     comp["podTemplate"].setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
+    return body
+
+
+# A worker launcher (``sh -c SCRIPT launcher MOCKER-ARGS...`` in the entrypoint's place for the worker):
+# a second GPU process (``sleep``, which maps the stub driver as every process of the container does
+# through LD_PRELOAD) started as the worker's child, a second rank an engine would spawn.
+TWO_GPU_PROCESSES = 'sleep infinity & exec "$@"'
+
+
+def worker_main(body: Obj) -> Obj:
+    """The worker component's ``main`` container in ``body`` (examples/dgd/agg.yaml's), to edit in place."""
+    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+    main: Obj = next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main")
+    return main
+
+
+def launched_by(body: Obj, script: str) -> Obj:
+    """``body`` whose worker is started by ``sh -c SCRIPT`` (the mocker its arguments, as the container's
+    args) in the entrypoint's place; returns ``body``."""
+    main = worker_main(body)
+    cmd: list[str] = main["command"]
+    at = cmd.index("--") + 1  # after dynsnap-entrypoint's own arguments
+    main["command"] = [*cmd[:at], "/bin/sh", "-c", script, "launcher"]
     return body
 
 

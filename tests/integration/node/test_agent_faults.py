@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 from controllerenv import asleep, cond, get_ws, verified_after
 from faultsenv import debugger_attached, error_is, maps_cuda, occupy_ns_pid, stub_calls
-from realnodecycle import override, pinned, proven, same_pod, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, deployed, upgrade
+from realnodecycle import back_after_refusal, override, pinned, proven, same_pod, wait_ws
+from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, launched_by, upgrade
 from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
 
 from dynsnap.k8s.client import Obj
@@ -58,10 +58,6 @@ async def bounded(env: Env) -> AsyncIterator[Env]:
         await upgrade(env, before)
 
 
-# A worker launcher (``sh -c SCRIPT launcher MOCKER-ARGS...`` in the entrypoint's place for the worker):
-# a second GPU process (``sleep``, which maps the stub driver as every process of the container does
-# through LD_PRELOAD) started as the worker's child, a second rank an engine would spawn.
-TWO_GPU_PROCESSES = 'sleep infinity & exec "$@"'
 
 
 @pytest.fixture
@@ -80,13 +76,7 @@ async def budgeted(bounded: Env) -> AsyncIterator[Env]:
 
 def graph(env: Env, name: str, tier: str, launcher: str | None = None) -> Obj:
     body = chart_node.example_body(env, name=name, worker_replicas=2, policy={"dynsnap.io/tier": tier})
-    if launcher is not None:
-        worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
-        main = next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main")
-        cmd: list[str] = main["command"]
-        at = cmd.index("--") + 1  # after dynsnap-entrypoint's own arguments; the mocker is the container's args
-        main["command"] = [*cmd[:at], "/bin/sh", "-c", launcher, "launcher"]
-    return body
+    return body if launcher is None else launched_by(body, launcher)
 
 
 def gpu_processes(w: NodePod, container_id: str) -> list[int]:
@@ -343,17 +333,8 @@ async def test_a_capture_over_the_disk_budget_is_refused_before_it_starts(budget
         assert stub_state(env.driver, gpu) == RUNNING
         images = env.paths.images
         assert not [p for p in images.iterdir() if w.uid in p.name and any(p.iterdir())] if images.is_dir() else True
-        back = await wait_ws(env, w, "back in serving, verified", verified_recall, timeout=120)
-        assert ((back["status"].get("controller") or {}).get("refusal") or {}).get("reason") == "DiskBudgetExceeded"
+        await wait_ws(env, w, "back in serving, verified", back_after_refusal("DiskBudgetExceeded"), timeout=120)
         await pinned(env, w, prompt="under budget")
         await same_pod(env, w, first)
         assert await worker_gpu_pid(env, w) == gpu, "the same worker process"
         await override(env, w, None)
-
-
-def verified_recall(ws: Obj | None) -> bool:
-    """Active asked and the return from the last quiesce (a recall: it never slept) verified."""
-    rec = ((ws or {}).get("status") or {}).get("controller") or {}
-    v, q = rec.get("verification") or {}, rec.get("quiesce") or {}
-    return bool(ws and ws["spec"]["desiredState"] == "Active" and v.get("ok") is True
-                and v.get("wakeId") == f"recall-{q.get('id')}")

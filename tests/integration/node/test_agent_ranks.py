@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 from controllerenv import asleep, cond, events_for, verified_after
-from realnodecycle import override, pinned, proven, same_pod, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, deployed
+from realnodecycle import back_after_refusal, override, pinned, proven, same_pod, wait_ws
+from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, launched_by, worker_main
 from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
 from refusalenv import NCCL_SAFE, build_fake_nccl, maps, refused_or_capturing, state_changes_since
 
@@ -51,13 +51,11 @@ def nccl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ranks_graph(env: Env, name: str, nccl: Path, *, safe: bool) -> Obj:
     """examples/dgd/agg.yaml (two workers, tier suspend, idle-after as shipped: only the override acts)
     whose worker is started by the launcher with fake_nccl preloaded, with the NCCL settings or without."""
-    body = chart_node.example_body(env, name=name, worker_replicas=2, policy={"dynsnap.io/tier": "suspend"})
+    body = launched_by(chart_node.example_body(env, name=name, worker_replicas=2,
+                                               policy={"dynsnap.io/tier": "suspend"}), TWO_GPU_PROCESSES)
     worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     spec = worker["podTemplate"]["spec"]
-    main = next(c for c in spec["containers"] if c["name"] == "main")
-    cmd: list[str] = main["command"]
-    at = cmd.index("--") + 1  # after dynsnap-entrypoint's own arguments; the mocker is the container's args
-    main["command"] = [*cmd[:at], "/bin/sh", "-c", 'sleep infinity & exec "$@"', "launcher"]
+    main = worker_main(body)
     spec.setdefault("volumes", []).append(
         {"name": NCCL_VOLUME, "hostPath": {"path": str(nccl.parent), "type": "Directory"}})
     main.setdefault("volumeMounts", []).append({"name": NCCL_VOLUME, "mountPath": str(nccl.parent),
@@ -85,14 +83,6 @@ def ranks(w: NodePod, container_id: str) -> list[int]:
 def images_of(env: Env, w: NodePod) -> list[str]:
     images = env.paths.images
     return [p.name for p in images.iterdir() if w.uid in p.name] if images.is_dir() else []
-
-
-def back_after_refusal(ws: Obj | None) -> bool:
-    """Refused UnsafeMultiGpu, on record, Active wanted, and the return (a recall) verified."""
-    rec = ((ws or {}).get("status") or {}).get("controller") or {}
-    ref, v, q = rec.get("refusal") or {}, rec.get("verification") or {}, rec.get("quiesce") or {}
-    return bool(ws and ref.get("reason") == "UnsafeMultiGpu" and ws["spec"]["desiredState"] == "Active"
-                and v.get("ok") is True and v.get("wakeId") == f"recall-{q.get('id')}")
 
 
 @dataclass
@@ -124,7 +114,7 @@ async def test_ranks_on_nccl_without_the_settings_the_driver_needs_are_refused_b
         ws = await wait_ws(env, w, "refused UnsafeMultiGpu (or capturing)",
                            lambda o: bool(o and refused_or_capturing("UnsafeMultiGpu")(o)), timeout=120)
         assert ws["status"].get("state") not in ("Capturing", "Suspended"), ws["status"]
-        ws = await wait_ws(env, w, "back in serving, verified", back_after_refusal, timeout=120)
+        ws = await wait_ws(env, w, "back in serving, verified", back_after_refusal("UnsafeMultiGpu"), timeout=120)
         err = ws["status"].get("lastError") or {}
         assert err.get("reason") == "UnsafeMultiGpu" and err.get("step") == "quiesce", ws["status"]
         assert "2 GPU processes use NCCL" in err["message"], err

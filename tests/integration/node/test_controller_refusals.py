@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from controllerenv import asleep, events_for, gate_of, get_ws, history, policy, wait_ws
+from realnodecycle import back_after_refusal
 from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, edit_dgd
 from realnodefacts import container_procs, control_file, kubelet_facts
 
@@ -82,17 +83,6 @@ def graph(env: Env, name: str, spoil: Callable[[Obj], None]) -> Obj:
 def record(ws: Obj | None) -> dict[str, Any]:
     rec: dict[str, Any] = ((ws or {}).get("status") or {}).get("controller") or {}
     return rec
-
-
-def back_after_refusal(reason: str) -> Callable[[Obj | None], bool]:
-    """Refused for ``reason``, on record, Active wanted, and the return (a recall) verified."""
-    def check(ws: Obj | None) -> bool:
-        rec = record(ws)
-        ref, v, q = rec.get("refusal") or {}, rec.get("verification") or {}, rec.get("quiesce") or {}
-        return bool(ws and ref.get("reason") == reason and ws["spec"]["desiredState"] == "Active"
-                    and v.get("ok") is True and v.get("wakeId") == f"recall-{q.get('id')}"
-                    and v.get("started", "") >= q.get("started", "~"))
-    return check
 
 
 async def assert_serving(env: Env, pod: NodePod) -> None:
