@@ -249,7 +249,21 @@ def phase_of(pod: Obj, ws: WorkerSnapshot | None, ep_ready: bool | None) -> Phas
         return Phase.WAKING
     if st.state != P.ObservedState.ACTIVE:
         return Phase.NEW
-    if (pod_condition(pod, P.CONDITION_SERVING) == "True" and pod_ready(pod) and ep_ready
-            and not verification_pending(ws)):
+    if not starting_why(pod, ws, ep_ready):
         return Phase.SERVING
     return Phase.STARTING
+
+
+def starting_why(pod: Obj, ws: WorkerSnapshot, ep_ready: bool | None) -> list[str]:
+    """What an awake worker still lacks to be serving (empty: nothing): the words of the controller's
+    log for a worker held in Starting."""
+    why = []
+    if pod_condition(pod, P.CONDITION_SERVING) != "True":
+        why.append(f"gate {P.CONDITION_SERVING} not True")
+    if not pod_ready(pod):
+        why.append("pod not Ready")
+    if not ep_ready:
+        why.append("no endpoint" if ep_ready is None else "endpoint not ready")
+    if verification_pending(ws):
+        why.append("verification pending")
+    return why

@@ -127,7 +127,9 @@ class Reconciler:
     async def _step(self, s: Scope, policy: Policy) -> float | None:
         decision = await self.decide(s, policy)
         phase = s.phase
-        log.debug("%s: phase %s, %s (%s)", s.key, phase, decision.want, decision.why)
+        held = F.starting_why(s.pod, s.snap, s.endpoint_ready) if phase == Phase.STARTING else []
+        log.debug("%s: phase %s%s, %s (%s)", s.key, phase, f" ({', '.join(held)})" if held else "",
+                  decision.want, decision.why)
         if phase == Phase.BROKEN:
             return await W.unaccepted(self.ctx, s, policy)
         ws = s.snap

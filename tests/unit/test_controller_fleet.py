@@ -143,3 +143,12 @@ CASES = [
 @pytest.mark.parametrize(("what", "p", "w", "ep", "phase"), CASES, ids=[c[0] for c in CASES])
 def test_phase(what: str, p: dict[str, Any], w: WorkerSnapshot | None, ep: bool | None, phase: Phase) -> None:
     assert F.phase_of(p, w, ep) == phase
+
+
+def test_what_holds_a_worker_in_starting_is_named() -> None:
+    """The controller's log says which of the four a worker held in Starting lacks."""
+    assert F.starting_why(pod(), ws(), True) == []
+    assert F.starting_why(pod(gate=None, ready=False), ws(), None) == [
+        f"gate {P.CONDITION_SERVING} not True", "pod not Ready", "no endpoint"]
+    assert F.starting_why(pod(), ws(controller={"quiesce": q(T0, T0 + timedelta(seconds=1))}), False) == [
+        "endpoint not ready", "verification pending"]
