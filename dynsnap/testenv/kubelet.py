@@ -99,6 +99,19 @@ class StubKubelet:
         return 200 <= r.status_code < 400
 
     async def _run(self) -> None:
+        # Kubelet keeps probing whatever one probe or write did: an error nobody expected is logged and
+        # the next tick goes on, never a pod left with the Ready it had when the task died unseen.
+        for _ in range(1_000_000):  # bounded: a stub kubelet lives for one test at most
+            try:
+                await self._ticks()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("stub-kubelet %s: unexpected error; probing again", self.name)
+                await asyncio.sleep(1.0)
+
+    async def _ticks(self) -> None:
         loop = asyncio.get_running_loop()
         last_probe = {"startup": -1e9, "readiness": -1e9, "liveness": -1e9}
         state = {"readiness": False, "started": False}
