@@ -231,14 +231,22 @@ class HasApi(Protocol):
 async def wait_ws(env: HasApi, pod: PodRef, what: str, check: Callable[[Obj | None], bool],
                   timeout: float = 120) -> Obj:
     """The worker's WorkerSnapshot once ``check`` holds for it, bounded by ``timeout``; on timeout the
-    last one seen is printed whole."""
+    last one seen is printed whole (the last one that existed, when the pod and its WorkerSnapshot are
+    gone by then: a fallback that deleted the pod leaves nothing else to read)."""
+    seen: list[Obj] = []
+
     async def probe() -> Obj | None:
         ws = await get_ws(env.api, pod)
+        if ws is not None:
+            seen[:] = [ws]
         return ws if check(ws) else None
     try:
         ws: Obj = await wait_for(f"{pod.name}: {what}", probe, timeout=timeout, interval=0.2)
     except TimeoutError:
         last = await get_ws(env.api, pod)
+        if last is None and seen:
+            print("WORKERSNAPSHOT GONE; the last one seen:")
+            last = seen[0]
         print("LAST WORKERSNAPSHOT:", yaml.safe_dump(last))
         raise
     return ws

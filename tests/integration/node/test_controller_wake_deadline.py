@@ -1,6 +1,6 @@
 """A wake that never reaches Active is a failed wake (issue 18), and the planner makes up for it.
 On the real node (kubelet, containerd, runc; dynsnap installed by ``helm install`` with
-``controller.wakeTimeout`` 30 s: realnodeenv.SHARED_VALUES), each case its own graph of examples/dgd/agg.yaml.
+``controller.wakeTimeout`` 60 s: realnodeenv.SHARED_VALUES), each case its own graph of examples/dgd/agg.yaml.
 
 Three workers of one component (tier snapshot, min-active 1): idleness puts two to sleep, their
 trees dumped by the real CRIU inside their containers. The image of the one captured last (the one a
