@@ -48,6 +48,7 @@ from dynsnap.agent.serving import serving_gate
 from dynsnap.agent.settings import AgentSettings
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import ApiError, NotFound
+from dynsnap.k8s.store import older
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.ids import PodUID
@@ -100,14 +101,20 @@ class NodeAgent:
         """The WorkerSnapshot as of the agent's own last write. One step follows another at once, and
         the informer's store may not have seen the status the previous step wrote yet; reconciling
         from that older copy would redo a step or drop its record. The watch delivers an object's
-        changes in order, so until the store shows our write, nothing newer than it exists."""
+        changes in order, so until the store shows our write, nothing newer than it exists. But the
+        watch may deliver our write, and someone's write after it, before our write's answer comes
+        back (the controller asking for a wake 0.15 s after the capture's last write did, in CI): the
+        store is then newer than that answer and is what counts; kept, the answer hid the controller's
+        request until the next event of the object (its wake deadline, 60 s later)."""
         ns, name = key.split("/", 1)
         obj: Obj | None = self.ws_informer.store.get(ns, name)
         written = self._written.get(key)
         if obj is None or written is None:
             return obj
-        if obj["metadata"].get("uid") != written["metadata"].get("uid"):
-            self._written.pop(key, None)  # deleted and recreated: another object
+        caught_up = older(written, obj) or obj["metadata"].get("resourceVersion") == \
+            written["metadata"].get("resourceVersion")
+        if obj["metadata"].get("uid") != written["metadata"].get("uid") or caught_up:
+            self._written.pop(key, None)  # deleted and recreated (another object), or the store caught up
             return obj
         return written
 
