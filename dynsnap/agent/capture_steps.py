@@ -72,6 +72,11 @@ def snapshot_preflight(ex: Executor, w: W.WorkerProcs) -> None:
     if rings:
         raise StepFailure(Reason.IO_URING_IN_USE, f"processes holding io_uring (CRIU cannot dump it): {rings}",
                           changed=False)
+    outside = W.gpu_outside_tree(w)
+    if outside:  # the seal's completeness guard would find them missing only after the dump ended the tree
+        raise StepFailure(Reason.GPU_PROCESS_OUTSIDE_TREE, f"GPU processes outside the worker's tree (in-namespace "
+                          f"pids): {outside}: CRIU dumps the worker's tree only, so a snapshot would leave them "
+                          "out (tier suspend checkpoints every GPU process of the container)", changed=False)
 
 
 async def save(ex: Executor, c: StepCall) -> None:

@@ -238,6 +238,23 @@ def io_uring_holders(w: WorkerProcs, proc: Path = PROC) -> list[HostPid]:
     return [st.pid for st in w.procs if any("io_uring" in t for t in procfs.fd_targets(st.pid, proc))]
 
 
+def gpu_outside_tree(w: WorkerProcs) -> list[NsPid]:
+    """In-namespace pids of the container's GPU processes that are not in the worker's tree (the worker's
+    root, the entrypoint's child at ``worker_pid``, and its descendants): what a CRIU dump of that tree
+    would leave out, e.g. a daemon a launcher started before exec'ing the engine (reparented to the
+    entrypoint). Empty while the entrypoint names no live worker (the dump step reports that)."""
+    root = next((p for p in w.procs if p.ns_pid == w.worker_root and p.ppid == w.entrypoint), None)
+    if root is None:
+        return []
+    tree = {root.pid}
+    for _ in range(len(w.procs)):  # one generation per round: bounded by the number of processes
+        more = {p.pid for p in w.procs if p.ppid in tree} - tree
+        if not more:
+            break
+        tree |= more
+    return sorted(p.ns_pid for p in w.procs if p.pid in w.gpu and p.pid not in tree)
+
+
 def pids_below_floor(w: WorkerProcs) -> list[NsPid]:
     return sorted(st.ns_pid for st in w.procs if st.ns_pid < P.PID_FLOOR)
 

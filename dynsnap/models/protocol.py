@@ -191,6 +191,7 @@ class Reason(StrEnum):
     PID_RESERVATION_MISSING = "PidReservationMissing"
     SECCOMP_OFF = "SeccompOff"
     IO_URING_IN_USE = "IoUringInUse"
+    GPU_PROCESS_OUTSIDE_TREE = "GpuProcessOutsideTree"
     DISK_BUDGET_EXCEEDED = "DiskBudgetExceeded"
     ENGINE_ROUTES_MISSING = "EngineRoutesMissing"
     PIDS_IN_USE = "PidsInUse"
@@ -247,7 +248,8 @@ class Reason(StrEnum):
 # out of serving; the controller puts it back into serving at once and asks again only after the
 # spec, the pod or the policy changed.
 PERMANENT_REFUSALS: Final = frozenset({Reason.SECCOMP_OFF, Reason.PID_RESERVATION_MISSING, Reason.UNSAFE_MULTI_GPU,
-                                       Reason.DISK_BUDGET_EXCEEDED, Reason.ENGINE_ROUTES_MISSING})
+                                       Reason.DISK_BUDGET_EXCEEDED, Reason.ENGINE_ROUTES_MISSING,
+                                       Reason.GPU_PROCESS_OUTSIDE_TREE})
 
 
 # Capture images on a node: <images root>/<namespace>_<pod>_<pod uid>/<capture id>/ (final) and

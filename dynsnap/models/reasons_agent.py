@@ -150,6 +150,13 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "The worker must start under the entrypoint with its filter on (then io_uring_setup fails with "
         "ENOSYS and Dynamo falls back to epoll). A process started another way (`kubectl exec`) can still "
         "hold one: end it."),
+    Reason.GPU_PROCESS_OUTSIDE_TREE: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
+        "A GPU process of the container is outside the worker's tree (e.g. a daemon a wrapper script started "
+        "before exec'ing the engine, reparented to the entrypoint). CRIU dumps the worker's tree only, so a "
+        "snapshot would leave it out; the capture is refused before any lock, naming its pid in the container.",
+        "Start every GPU process from the engine (in the worker's tree), or use tier suspend, which checkpoints "
+        "every GPU process of the container."),
     Reason.DISK_BUDGET_EXCEEDED: ReasonDoc(
         REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
         "The capture's estimate (the worker's resident memory) would pass the node's image budget "
