@@ -271,6 +271,9 @@ class NodeAgent:
             log.exception("%s: step %s", ws.key, step)
             return await self._failed(ws, status, step, StepFailure(Reason.INTERRUPTED, f"{type(e).__name__}: {e}"),
                                       obs)
+        if step != Step.WAIT_HELPER:  # the operator's account, beside the status record and the Events
+            log.info("%s: step %s done in %.3fs (%s, %s wanted)", ws.key, step.value, result.seconds, tier.value,
+                     want.value)
         if step != Step.WAIT_HELPER or ws.key not in self._waiting:
             # One entry for the whole wait: an entry per look would change status on every look, and
             # each write would start the next reconcile at once (a status write storm while CRIU runs).
@@ -314,6 +317,8 @@ class NodeAgent:
             f = StepFailure(Reason.WORKER_LOST, f"wake on request failed ({f.reason.value}: {f.message[:2000]}); {why}")
             status.state = ObservedState.LOST
         S.failed(ws, status, step, f)
+        log.warning("%s: step %s failed: %s: %s%s", ws.key, step.value, f.reason.value, f.message[:1000],
+                    "" if f.changed else " (nothing changed)")
         await self._event(ws, "Warning", f.reason, f"{step.value}: {f.message}")
         await self._write(ws, status)
         return A.after_failure(self.settings, f.reason, changed=f.changed,
