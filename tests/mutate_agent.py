@@ -48,7 +48,12 @@ NODE = "dynsnap/agent/node.py"
 EDGE = "dynsnap/agent/edge.py"
 
 FAULTS = "tests/integration/test_agent_faults.py::"
-GPU_MISSING = FAULTS + "test_gpu_process_outside_the_dumped_tree_fails_the_capture_and_the_worker_comes_back"
+U_COMPLETE = "tests/unit/test_agent_completeness.py::"
+GPU_MISSING = U_COMPLETE + "test_the_seal_rejects_a_dump_missing_a_recorded_gpu_process"
+GPU_OUTSIDE = [U_COMPLETE + "test_a_gpu_process_reparented_to_the_entrypoint_is_outside",
+               U_COMPLETE + "test_the_preflight_refuses_it_before_any_change",
+               "tests/integration/node/test_agent_faults.py::"
+               "test_a_gpu_process_outside_the_worker_tree_is_refused_before_any_change"]
 PIDS_TAKEN = ("tests/integration/node/test_agent_faults.py::"
               "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free[other]")
 PIDS_TAKEN_ROOT = ("tests/integration/node/test_agent_faults.py::"
@@ -406,6 +411,22 @@ MUTATIONS = (
         "        elif False:\n            pass\n",
         tests=["tests/unit/test_runtime_manager.py::"
                "test_run_until_stopped_ends_a_worker_whose_cancellation_went_missing"]),
+    mutation(
+        "no-gpu-outside-tree-preflight", "a snapshot of a worker with a GPU process outside its tree is dumped",
+        CAPTURE_STEPS,
+        "    outside = W.gpu_outside_tree(w)\n",
+        "    outside: list[NsPid] = []\n",
+        tests=GPU_OUTSIDE),
+    mutation(
+        "tree-takes-every-process", "every process of the container counts as the worker's tree", WORKER,
+        "        more = {p.pid for p in w.procs if p.ppid in tree} - tree\n",
+        "        more = {p.pid for p in w.procs} - tree\n",
+        tests=GPU_OUTSIDE[:2]),
+    mutation(
+        "own-write-hides-newer-store", "the answer to the agent's own write is read over a newer store", NODE,
+        "        caught_up = older(written, obj) or obj",
+        "        caught_up = obj",
+        tests=["tests/unit/test_agent_own_writes.py"]),
 )
 
 SUITE = Suite(

@@ -1,12 +1,10 @@
 """The worker command of the fault tests' workers: sets up one fault in the worker's tree, then execs
 the real worker (the Dynamo mocker). It runs inside the pod, as the entrypoint's worker.
 
-    python faults_launcher.py [--orphan-gpu] [--fd-holder NAME] -- COMMAND [ARG...]
+    python faults_launcher.py [--fd-holder NAME] -- COMMAND [ARG...]
 
-``--orphan-gpu``
-    Double-forks a process that maps the (stub) CUDA driver, as the pod's ``LD_PRELOAD`` makes every
-    process of the worker do, and sleeps: it is reparented to the pod's PID 1, so it is a GPU process
-    of the pod outside the worker tree that CRIU dumps (a worker that daemonizes a GPU helper).
+(A GPU process outside the worker's tree is node/test_agent_faults.py's GPU_DAEMON launcher.)
+
 ``--fd-holder NAME``
     Starts a child that takes descriptors from other processes: the way a process of the worker can
     come to hold an io_uring ring although the entrypoint's seccomp filter refuses it one (the ring
@@ -117,16 +115,6 @@ def send(name: str, cmd: str) -> None:
         print(s.recv(4096).decode(), flush=True)
 
 
-def orphan_gpu() -> None:
-    child = os.fork()
-    if child == 0:
-        os.setsid()
-        if os.fork() == 0:
-            os.execvp("sleep", ["sleep", "infinity"])
-        os._exit(0)
-    os.waitpid(child, 0)
-
-
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--hold-fds"]:
         hold_fds(argv[1])
@@ -138,9 +126,7 @@ def main(argv: list[str]) -> None:
     opts, command = argv[:sep], argv[sep + 1:]
     i = 0
     while i < len(opts):
-        if opts[i] == "--orphan-gpu":
-            orphan_gpu()
-        elif opts[i] == "--fd-holder":
+        if opts[i] == "--fd-holder":
             i += 1
             env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
             if os.fork() == 0:

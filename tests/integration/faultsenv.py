@@ -2,7 +2,7 @@
 their tree (faults_launcher.py), the node facts every fault test checks afterwards (entrypoint state,
 each GPU process's state in the stub driver, no stopped process, images on disk), and the faults
 the tests cause from outside: a debugger attached to the worker, an io_uring ring passed into it, a
-pid of the pod's namespace taken, a small tmpfs as the images root, a CRIU held at its exit
+pid of the pod's namespace taken, a CRIU held at its exit
 (fake_held_criu).
 
 Not collected by pytest (no ``test_`` prefix).
@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,21 +220,6 @@ def occupy_pid(pod: RunningPod, ns_pid: int) -> int:
     return occupy_ns_pid(pod.sandbox.pid, ns_pid, mount_ns=True)
 
 
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """A tmpfs mounted at ``path`` for the duration (unmounted, even after a failure)."""
-    path.mkdir(parents=True, exist_ok=True)
-    _run(["mount", "-t", "tmpfs", "-o", options, "dynsnap-test-images", str(path)])
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def free_inodes(path: Path) -> int:
-    return os.statvfs(path).f_favail
-
-
 @dataclass
 class HeldCriu:
     """fake_held_criu, copied into a work directory (its control files live next to it)."""
@@ -264,11 +249,3 @@ class HeldCriu:
     def log(self) -> list[str]:
         f = self.dir / "log"
         return f.read_text().splitlines() if f.exists() else []
-
-
-async def restart_agent(agent: AgentProc, extra: list[str]) -> None:
-    """The node's agent again with other settings (as a DaemonSet rollout would do)."""
-    await agent.stop()
-    agent.extra = list(extra)
-    await agent.start()
-

@@ -1,12 +1,14 @@
-"""The node agent under failing parts (issue 8's fault matrix): CRIU failing, a disk full mid-dump, a
-GPU process missing from the images, the pod deleted mid-capture. (The CUDA helper hanging past its
-bound, a lock that never comes back for one or both of a worker's GPU processes, a debugger attached
-to the worker, a capture over the image budget, and a restore whose pid a squatter took, of the worker
-or of another process of its tree, run on the real node: node/test_agent_faults.py.) Each test causes the
-fault for real (or through a named fake where it cannot be had on demand), asserts the Reason and the
-error text the agent reports for it, and ends with the worker running or restorable: the entrypoint
-active (or asleep with its images kept), every GPU process running in the (stub) driver, no process
-stopped, no half-written image left to be reused, and a request pinned to the worker answered by it.
+"""The node agent under failing parts (issue 8's fault matrix): CRIU failing on io_uring, and the pod
+deleted mid-capture. (The CUDA helper hanging past its bound, a lock that never comes back for one or
+both of a worker's GPU processes, a debugger attached to the worker, a capture over the image budget, a
+disk full mid-dump, a GPU process outside the worker's tree, and a restore whose pid a squatter took, of
+the worker or of another process of its tree, run on the real node: node/test_agent_faults.py; a worker
+whose entrypoint does not refuse io_uring, refused SeccompOff before any change:
+node/test_controller_refusals.py.) Each test causes the fault for real (or through a named fake where it
+cannot be had on demand), asserts the Reason and the error text the agent reports for it, and ends with
+the worker running or restorable: the entrypoint active, every GPU process running in the (stub) driver,
+no process stopped, no half-written image left to be reused, and a request pinned to the worker answered
+by it.
 
 The agent (node-a's; every worker of the module runs there) runs as its own process with short
 bounds: ``--failure-backoff 1``, ``--helper-timeout 3``, ``--lock-timeout-ms 1000``,
@@ -14,11 +16,9 @@ bounds: ``--failure-backoff 1``, ``--helper-timeout 3``, ``--lock-timeout-ms 100
 the exit of a dump when a test asks it to).
 
 Sandbox, why: these faults need a worker the example does not ship (faults_launcher.py's io_uring fd
-holder, driven from the node through the pod's namespaces), CRIU swapped for fake_held_criu, or images
-roots on tmpfs mounts made before the pods start. The GPU process outside the tree (row 4) was tried on
-the real node (2026-12-06) and left here: there the agent's rollback after IncompleteCapture restores
-with CRIU failing "Can't fork for 10000: File exists" (PidsInUse), the wake runs out its deadline and
-the fallback deletes the pod, which the sandbox does not show; see docs/TESTING.md.
+holder, driven from the node through the pod's namespaces), a worker whose entrypoint is started
+without its filter and that the agent alone, with no controller, keeps asked to sleep (the permanent
+refusal's retry), or CRIU swapped for fake_held_criu.
 """
 
 from __future__ import annotations
@@ -57,17 +57,12 @@ from faultsenv import (
     error_is,
     fault_worker,
     fd_holder,
-    free_inodes,
     gpu_states,
     image_entries,
     io_uring_fds,
     io_uring_maps,
-    maps_cuda,
     pod_image_dir,
-    pod_procs,
-    restart_agent,
     stub_calls,
-    tmpfs,
 )
 
 from dynsnap.k8s.client import Obj
@@ -94,7 +89,6 @@ class Env:
     work: Path
     base: list[str]  # the agent's extra flags for this module
     ids: dict[str, int]
-    full_root: Path  # tmpfs with room for bytes but 16 inodes (row 3)
 
     def pod(self, component: str) -> RunningPod:
         return self.graph.workers(component)[0]
@@ -114,32 +108,27 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
     await install_dynsnap(cluster)
     kubeconfig = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
     agent = AgentProc(NODE, kubeconfig, work / NODE, driver, extra=list(base))
-    with contextlib.ExitStack() as mounts:
-        # Mounted before the pods start: CRIU writes the images from inside the pod's mount namespace,
-        # a copy of the node's taken when the pod started (mounts made later do not reach it).
-        full_root = mounts.enter_context(tmpfs(work / "full-images", "size=1g,nr_inodes=16,mode=0700"))
-        g = await deploy_serving(cluster, D.dgd("flt", [
-            D.frontend_component(),
-            fault_worker("plain", driver, launcher=["--fd-holder", HOLDER]),  # rows 1 (io_uring, CRIU), 3
-            fault_worker("noseccomp", driver, entrypoint=["--no-seccomp"]),  # row 1 (seccomp off)
-            fault_worker("orphan", driver, launcher=["--orphan-gpu"]),  # row 4
-            worker_component("victim", replicas=1, driver=driver),  # row 6: its pod is deleted
-        ]))
-        fe = D.FrontendClient(g.frontend)
-        try:
-            await agent.start()
-            await fe.wait_model()
-            ids = {}
-            for comp in ("plain", "noseccomp", "orphan", "victim"):
-                pod = g.workers(comp)[0]
-                ids[pod.name] = await D.instance_id(cluster, pod)
-                await fe.wait_routable(ids[pod.name])
-            yield Env(cluster, g, fe, agent, driver, held, work, base, ids, full_root)
-        finally:
-            held.release()
-            await fe.close()
-            await agent.stop()
-            await D.teardown(cluster, g)
+    g = await deploy_serving(cluster, D.dgd("flt", [
+        D.frontend_component(),
+        fault_worker("plain", driver, launcher=["--fd-holder", HOLDER]),  # row 1 (io_uring, CRIU)
+        fault_worker("noseccomp", driver, entrypoint=["--no-seccomp"]),  # row 1 (seccomp off, retried)
+        worker_component("victim", replicas=1, driver=driver),  # row 6: its pod is deleted
+    ]))
+    fe = D.FrontendClient(g.frontend)
+    try:
+        await agent.start()
+        await fe.wait_model()
+        ids = {}
+        for comp in ("plain", "noseccomp", "victim"):
+            pod = g.workers(comp)[0]
+            ids[pod.name] = await D.instance_id(cluster, pod)
+            await fe.wait_routable(ids[pod.name])
+        yield Env(cluster, g, fe, agent, driver, held, work, base, ids)
+    finally:
+        held.release()
+        await fe.close()
+        await agent.stop()
+        await D.teardown(cluster, g)
 
 
 # -- shared steps ---------------------------------------------------------------------------------------
@@ -217,26 +206,6 @@ def _lock_calls(env: Env, pod: RunningPod) -> dict[int, int]:
 
 # -- row 1: CRIU failing; io_uring --------------------------------------------------------------------
 
-async def test_seccomp_off_worker_holding_io_uring_is_refused_before_any_change(env: Env) -> None:
-    pod = env.pod("noseccomp")
-    info = ep_info(pod)
-    assert info["seccomp"] == "off"
-    # Allowed io_uring, Dynamo's runtime takes a ring (the cause CRIU could not dump).
-    rings = {p.pid: io_uring_fds(p.pid) for p in pod_procs(pod) if io_uring_fds(p.pid)}
-    assert rings, "the mocker holds an io_uring ring when the entrypoint does not refuse it"
-    before = _lock_calls(env, pod)
-    try:
-        await _start(env, pod, "snapshot")
-        ws = await _wait(env, pod, "SeccompOff", error_is("SeccompOff", step="quiesce"))
-        err = ws["status"]["lastError"]
-        assert "io_uring filter is 'off'" in err["message"] and "CRIU cannot dump io_uring" in err["message"]
-        _degraded(ws, "SeccompOff")
-        _nothing_changed(env, pod, ws, before)
-        await _back_to_serving(env, pod)
-    finally:
-        await _finish(env, pod)
-
-
 async def test_a_permanent_refusal_is_not_retried_until_the_spec_changes(env: Env) -> None:
     """SeccompOff will not go away while the container runs (issue 18: the agent retried it seven times
     in 160 s, with doubling backoff). Refused once, the worker stays active and the capture is not asked
@@ -309,66 +278,6 @@ async def test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapp
         with contextlib.suppress(Exception):
             fd_holder(pod, HOLDER, "release")
         await _finish(env, pod)
-
-
-# -- row 3: a full disk ---------------------------------------------------------------------------------
-
-async def test_disk_full_mid_dump_fails_with_enospc_and_rolls_back(env: Env) -> None:
-    """The images root has bytes for the estimate but runs out of space mid-dump (a tmpfs out of
-    inodes: ENOSPC, as a disk out of blocks gives): DiskFull with CRIU's ENOSPC, the worker rolled back
-    and serving, the staging directory removed (never reused)."""
-    pod = env.pod("plain")
-    root = env.full_root
-    try:
-        await restart_agent(env.agent, [*env.base, "--images-root", str(root)])
-        await _start(env, pod, "snapshot")
-        ws = await _wait(env, pod, "DiskFull", error_is("DiskFull", step="dump"))
-        err = ws["status"]["lastError"]
-        assert "CRIU dump failed (no_space)" in err["message"], err
-        assert "No space left on device" in err["message"], err
-        _degraded(ws, "DiskFull")
-        await _back_to_serving(env, pod)
-        assert not [n for n in image_entries(env.agent, pod, root) if n.startswith(P.STAGING_PREFIX)]
-        assert free_inodes(root) > 0
-    finally:
-        await _finish(env, pod)
-        await restart_agent(env.agent, env.base)
-
-
-# -- row 4: a GPU process missing from the images -----------------------------------------------------------
-
-async def test_gpu_process_outside_the_dumped_tree_fails_the_capture_and_the_worker_comes_back(env: Env) -> None:
-    pod = env.pod("orphan")
-    procs = pod_procs(pod)
-    orphan = next(p for p in procs if p.name == "sleep")
-    assert maps_cuda(orphan.pid) and orphan.ppid == pod.sandbox.pid, \
-        "a GPU process reparented to the pod's PID 1: outside the worker tree"
-    try:
-        await _start(env, pod, "snapshot")
-        ws = await _wait(env, pod, "IncompleteCapture", error_is("IncompleteCapture", step="seal"))
-        err = ws["status"]["lastError"]
-        assert f"GPU processes missing from the images (in-namespace pids): [{orphan.ns_pid}]" in err["message"], err
-        _degraded(ws, "IncompleteCapture")
-        assert [s["name"] for s in ws["status"]["lastCapture"]["steps"]] == ["quiesce", "save", "dump", "seal"]
-        await set_desired(env.api, pod, "Active")
-        ws = await _wait(env, pod, "Active", state_is("Active", suspended=False))
-        wake = ws["status"]["lastWake"]
-        assert wake["ok"] is True and [s["name"] for s in wake["steps"]] == ["wake", "restore", "resume",
-                                                                                  "settle-active"], wake
-        # The orphan was checkpointed with the others and resumed with them (it was never dumped:
-        # its host pid is unchanged).
-        assert stub_calls(env.driver, "cuCheckpointProcessRestore", orphan.pid)[-1].endswith("rc=0")
-        assert stub_calls(env.driver, "cuCheckpointProcessUnlock", orphan.pid)[-1].endswith("rc=0")
-        assert_running(pod, env.driver)
-        await eventually("the rejected staging directory removed", lambda: _no_images(env, pod), timeout=60)
-        await quiesce(env.cluster, pod, serving=True)
-        await _pinned(env, pod)
-    finally:
-        await _finish(env, pod)
-
-
-async def _no_images(env: Env, pod: RunningPod) -> bool:
-    return image_entries(env.agent, pod) == []
 
 
 # -- row 6: the pod deleted mid-capture ---------------------------------------------------------------------

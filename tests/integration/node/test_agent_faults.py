@@ -21,6 +21,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -29,10 +31,11 @@ from controllerenv import asleep, cond, get_ws, verified_after
 from faultsenv import debugger_attached, error_is, maps_cuda, occupy_ns_pid, stub_calls
 from realnodecycle import back_after_refusal, override, pinned, proven, same_pod, wait_ws
 from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, launched_by, upgrade
-from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
+from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
+from dynsnap.runtime import procfs
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import NodePod
@@ -42,6 +45,11 @@ pytestmark = pytest.mark.cluster
 BOUNDS = {"helperTimeout": 3, "lockTimeoutMs": 1000, "failureBackoff": 1}
 RUNNING = 0  # the stub driver's state of a process that runs
 BUDGET = 4 << 20  # bytes: far below any worker's capture estimate
+# A launcher that leaves a GPU process behind (``sleep``, mapping the stub driver through LD_PRELOAD as
+# every process of the container does), started in a subshell that exits, so reparented to the entrypoint:
+# outside the worker's tree, as a daemon an engine's wrapper script starts before exec'ing the engine.
+GPU_DAEMON = '(sleep infinity &); exec "$@"'
+FULL_INODES = 16  # a tmpfs with room for bytes but this many inodes: CRIU's images run out of them mid-dump
 
 
 @pytest.fixture(scope="module")
@@ -337,4 +345,121 @@ async def test_a_capture_over_the_disk_budget_is_refused_before_it_starts(budget
         await pinned(env, w, prompt="under budget")
         await same_pod(env, w, first)
         assert await worker_gpu_pid(env, w) == gpu, "the same worker process"
+        await override(env, w, None)
+
+
+# Run in a child process of its own (one thread: setns(2) of a mount namespace needs it): enters the mount
+# namespace of the process argv[1], then mounts a tmpfs at argv[2] with the options argv[3], or (argv[3]
+# "-") detaches what is mounted there. ctypes: no program of the container's is run.
+_MOUNT_IN = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open(f"/proc/{sys.argv[1]}/ns/mnt", os.O_RDONLY)
+if libc.setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
+    sys.exit(f"setns: {os.strerror(ctypes.get_errno())}")
+path, opts = sys.argv[2].encode(), sys.argv[3]
+if opts == "-":
+    rc = libc.umount2(path, 2)  # MNT_DETACH
+else:
+    rc = libc.mount(b"dynsnap-disk-full", path, b"tmpfs", 0, opts.encode())
+if rc != 0:
+    sys.exit(f"{'umount' if opts == '-' else 'mount'} {sys.argv[2]}: {os.strerror(ctypes.get_errno())}")
+"""
+
+
+def mount_in(pid: int, path: Path, options: str) -> None:
+    """A tmpfs at ``path`` in the mount namespace of ``pid`` (``options`` "-": detached from there)."""
+    res = subprocess.run([sys.executable, "-c", _MOUNT_IN, str(pid), str(path), options], capture_output=True,
+                         text=True, timeout=30, check=False)
+    assert res.returncode == 0, res.stderr
+
+
+async def test_a_disk_full_mid_dump_fails_with_enospc_and_the_worker_is_rolled_back(bounded: Env) -> None:
+    """The worker's images directory, as the chart's agent sees it, runs out of space in the middle of
+    CRIU's dump (a tmpfs with room for the bytes but 16 inodes, mounted there in the agent container's
+    mount namespace: ENOSPC as a full disk gives it; the capture's estimate fits the node's budget).
+    DiskFull with CRIU's own ENOSPC, CRIU leaves the tree running and the agent brings the GPU process
+    back, the worker Active (the same process); the staging directory removed, never reused. Once the
+    disk has room the capture goes through and the worker wakes in place, verified."""
+    env = bounded
+    async with deployed(env, graph(env, "flt-disk", "snapshot")) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        gpu = await worker_gpu_pid(env, w)
+        (agent,) = await env.chart_pods("agent")
+        agent_pid = container_pid(agent, "agent")
+        pod_dir = env.paths.images / f"{w.namespace}_{w.name}_{w.uid}"  # the agent's images.pod_dir
+        pod_dir.mkdir(mode=0o700, exist_ok=True)
+        seen = Path(f"/proc/{agent_pid}/root") / str(pod_dir).lstrip("/")  # the agent's view of it
+        mount_in(agent_pid, pod_dir, f"size=1g,nr_inodes={FULL_INODES},mode=0700")
+        mounted = True
+        try:
+            assert os.statvfs(seen).f_files == FULL_INODES, "the agent sees the small tmpfs there"
+            await override(env, w, "suspended")
+            ws = await wait_ws(env, w, "DiskFull", error_is("DiskFull", step="dump"), timeout=120)
+            err = ws["status"]["lastError"]
+            assert "CRIU dump failed (no_space)" in err["message"], err
+            assert "No space left on device" in err["message"], err
+            degraded(ws, "DiskFull")
+            await rolled_back(env, w, gpu, "DiskFull")
+            # Active wanted again (`dynsnap wake`: the planner counts a capturing worker asleep, so only the
+            # override calls the capture off): no retry while the staging directory is looked at.
+            await override(env, w, "active")
+            await wait_ws(env, w, "Active wanted and reported", lambda o: bool(
+                o and o["spec"]["desiredState"] == "Active" and o["status"].get("state") == "Active"
+                and not helpers_on_node()), timeout=120)
+            assert not [n for n in os.listdir(seen) if n.startswith(P.STAGING_PREFIX)], os.listdir(seen)
+            assert os.statvfs(seen).f_ffree > 0, "the failed dump's files are gone"
+            assert Path(f"/proc/{gpu}").exists() and stub_state(env.driver, gpu) == RUNNING, "the same process"
+            mount_in(agent_pid, pod_dir, "-")
+            mounted = False
+            assert os.statvfs(seen).f_files != FULL_INODES
+            mark = len(env.driver.calls())
+            await override(env, w, "suspended")
+        finally:
+            if mounted:
+                mount_in(agent_pid, pod_dir, "-")
+        await captured_then_woken(env, w, "snapshot", mark)
+        await same_pod(env, w, first)
+
+
+async def test_a_gpu_process_outside_the_worker_tree_is_refused_before_any_change(bounded: Env) -> None:
+    """A GPU process of the container outside the worker's tree (GPU_DAEMON): CRIU would dump the tree
+    without it, so the snapshot is refused at the quiesce step (GpuProcessOutsideTree naming its pid in the
+    container) before anything changes: no lock asked of the driver, every GPU process running, no image.
+    A refusal for good (the daemon lasts as long as the container): the controller puts the worker back
+    into serving at once, verified, the same container and processes. (Before, the dump went through, the
+    seal found the daemon missing (IncompleteCapture) and the rollback's CRIU restore failed on the real
+    node, "Can't fork for 10000: File exists", until the wake deadline deleted the pod.)"""
+    env = bounded
+    async with deployed(env, graph(env, "flt-daemon", "snapshot", GPU_DAEMON)) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        procs = container_procs(w.uid, first.container_id)
+        kids = {p: procfs.status(p) for p in procs.tree}
+        daemon = next(p for p, st in kids.items() if st and st.name == "sleep")
+        worker = next(p for p, st in kids.items() if st and st.ppid == procs.entrypoint and p != daemon)
+        daemon_st = kids[daemon]
+        assert daemon_st is not None and daemon_st.ppid == procs.entrypoint, "reparented to the entrypoint"
+        assert maps_cuda(daemon) and maps_cuda(worker)
+        mark = len(env.driver.calls())
+        await override(env, w, "suspended")
+        ws = await wait_ws(env, w, "GpuProcessOutsideTree", error_is("GpuProcessOutsideTree", step="quiesce"),
+                           timeout=120)
+        err = ws["status"]["lastError"]
+        named = f"GPU processes outside the worker's tree (in-namespace pids): [{daemon_st.ns_pid}]"
+        assert named in err["message"], err
+        degraded(ws, "GpuProcessOutsideTree")
+        cap = ws["status"]["lastCapture"]
+        assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce"], cap
+        locks = [c for c in env.driver.calls()[mark:] if c.startswith("cuCheckpointProcessLock ")]
+        assert locks == [], "the driver was asked to lock"
+        assert [stub_state(env.driver, p) for p in (worker, daemon)] == [RUNNING, RUNNING]
+        images = env.paths.images
+        assert not [p for p in images.iterdir() if w.uid in p.name and any(p.iterdir())] if images.is_dir() else True
+        await wait_ws(env, w, "back in serving, verified", back_after_refusal("GpuProcessOutsideTree"), timeout=120)
+        await pinned(env, w, prompt="the daemon stays")
+        await same_pod(env, w, first)
+        now = container_procs(w.uid, first.container_id)
+        assert {worker, daemon} <= set(now.tree), "the same processes"
         await override(env, w, None)

@@ -32,10 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from controllerenv import asleep, events_for, gate_of, get_ws, history, policy, wait_ws
+from controllerenv import asleep, cond, events_for, gate_of, get_ws, history, policy, wait_ws
+from faultsenv import io_uring_fds
 from realnodecycle import back_after_refusal
 from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed, edit_dgd
-from realnodefacts import container_procs, control_file, kubelet_facts
+from realnodefacts import container_procs, control_file, kubelet_facts, stub_state
+from refusalenv import maps
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -106,9 +108,36 @@ async def set_tier(env: Env, g: Graph, tier: str) -> None:
     await edit_dgd(env, g, change)
 
 
+def refused_before_any_change(env: Env, pod: NodePod, container_id: str, ws: Obj, mark: int) -> None:
+    """The agent's account of a SeccompOff refusal (moved from the sandbox's test_agent_faults.py): at the
+    quiesce step, its message naming the filter and why CRIU needs it, Degraded; and nothing changed: not
+    one lock of the worker's GPU processes since the graph was deployed (the stub driver's log), each
+    running in the driver, no image; and the ring the filter would have refused is there."""
+    err = ws["status"]["lastError"]
+    assert err["reason"] == "SeccompOff" and err["step"] == "quiesce", err
+    assert "io_uring filter is 'off'" in err["message"] and "CRIU cannot dump io_uring" in err["message"], err
+    cap = ws["status"]["lastCapture"]
+    assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce"], cap
+    degraded = cond(ws, "Degraded")
+    assert degraded is not None and degraded["status"] == "True" and degraded["reason"] == "SeccompOff", degraded
+    procs = container_procs(pod.uid, container_id)
+    gpu = [p for p in procs.tree if "libcuda.so.1" in maps(p)]
+    assert gpu, f"the worker maps the (stub) driver: {procs}"
+    locks = [c for c in env.driver.calls()[mark:] if c.startswith("cuCheckpointProcessLock ")
+             and any(f" pid={p} " in c + " " for p in gpu)]
+    assert locks == [], locks
+    assert [stub_state(env.driver, p) for p in gpu] == [0] * len(gpu), "every GPU process running in the driver"
+    assert not ws["status"].get("image"), ws["status"]
+    # Not refused one by the entrypoint, Dynamo's runtime takes an io_uring ring (containerd's RuntimeDefault
+    # profile, kubelet's seccompDefault, allows it): the thing CRIU could not dump, never reached.
+    rings = {p: io_uring_fds(p) for p in procs.tree if io_uring_fds(p)}
+    assert rings, "the mocker holds an io_uring ring when the entrypoint does not refuse it"
+
+
 @pytest.mark.parametrize("reason", list(CASES))
 async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again(
         env: Env, reason: str) -> None:
+    mark = len(env.driver.calls())
     async with deployed(env, graph(env, f"refuse-{reason.lower()}", CASES[reason])) as g:
         workers = g.workers(WORKER_COMPONENT)
         for pod in workers:  # the planner takes them in turn: one refused and back, then the other
@@ -121,8 +150,10 @@ async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_
             assert ref["podUID"] == pod.uid and ref["generation"] == ws["metadata"]["generation"]
             assert ref["captureId"] == record(ws)["capture"]["id"] and record(ws)["capture"]["ok"] is False
             assert record(ws)["capture"]["error"]["reason"] == reason
+            cid = (await kubelet_facts(env.api, pod)).container_id
+            if reason == "SeccompOff":
+                refused_before_any_change(env, pod, cid, ws, mark)
             if reason == "PidReservationMissing":  # the entrypoint's own account; nothing was saved
-                cid = (await kubelet_facts(env.api, pod)).container_id
                 info = control_file(container_procs(pod.uid, cid).entrypoint)
                 assert info["pid_reserved"] is False and info["state"] == "active", info
                 log = await env.pod_log(pod.namespace, pod.name, "main", tail=100000)
@@ -132,14 +163,19 @@ async def test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_
             warned = [e for e in await events_for(env.api, pod.namespace, pod.name)
                       if e["type"] == "Warning" and e["reason"] == "CaptureRefused"]
             assert warned and reason in warned[-1]["note"], warned
-        # Idle, but never asked again: no new quiesce, Active wanted throughout.
-        quiesced = {p.name: record(await get_ws(env.api, p))["quiesce"]["id"] for p in workers}
+        # Idle, but never asked again: no new quiesce, Active wanted throughout, and the agent never tried the
+        # capture again (a permanent refusal: the same last capture, one failure on record).
+        now = {p.name: await get_ws(env.api, p) for p in workers}
+        quiesced = {name: record(ws)["quiesce"]["id"] for name, ws in now.items()}
+        captures = {name: (ws or {})["status"]["lastCapture"]["id"] for name, ws in now.items()}
         async with history(env.api, R.WORKER_SNAPSHOTS, workers[0]) as first, \
                 history(env.api, R.WORKER_SNAPSHOTS, workers[1]) as second:
             await asyncio.sleep(QUIET_WINDOW)
         for pod, seen in zip(workers, (first, second), strict=True):
             assert {record(v)["quiesce"]["id"] for v in seen} == {quiesced[pod.name]}, pod.name
             assert {v["spec"]["desiredState"] for v in seen} == {"Active"}, pod.name
+            assert {v["status"]["lastCapture"]["id"] for v in seen} == {captures[pod.name]}, pod.name
+            assert {v["status"].get("consecutiveFailures") for v in seen} == {1}, pod.name
             assert (seen[-1]["status"].get("idle") or {}).get("idleSince"), f"{pod.name} is not idle"
             await assert_serving(env, pod)
         # The policy changes: asked again, and at tier suspend the capture is not refused.
