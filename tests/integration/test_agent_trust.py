@@ -59,6 +59,7 @@ from trustenv import (
     with_forged_helper,
 )
 
+from dynsnap.agent.helpers import REGISTRY_DIR
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
@@ -257,6 +258,14 @@ async def test_a_helper_an_earlier_agent_left_past_its_bound_is_killed_through_t
             pids = [h.pid for h in helpers_of(pod) if h.op == "save"]
             return pids or None
         save = await eventually("the save's dynsnap-cuda running", saving, timeout=60)
+
+        async def recorded() -> bool:
+            # What the test is about is a helper the earlier agent left on record: it is killed only once
+            # the registry holds it (a record is written right after the exec; killed before that, the
+            # agent leaves one the next cannot know, and that one starts a save of its own).
+            records = (env.agent.state_dir / REGISTRY_DIR).glob("*.json")
+            return any(json.loads(r.read_text()).get("pid") in save for r in records)
+        await eventually("the save's dynsnap-cuda on the agent's registry", recorded, timeout=30)
         await kill_agent(env.agent)
         await env.agent.start()  # finds the save through the registry, waits, then kills it past its bound
         ws = await wait_ws(api, pod, "HelperTimeout", lambda ws: ((ws.get("status") or {}).get("lastError") or {})
