@@ -424,8 +424,8 @@ MUTATIONS = (
         tests=GPU_OUTSIDE[:2]),
     mutation(
         "own-write-hides-newer-store", "the answer to the agent's own write is read over a newer store", NODE,
-        "        caught_up = older(written, obj) or obj",
-        "        caught_up = obj",
+        "        older(written, obj)\n",
+        "        False\n",
         tests=["tests/unit/test_agent_own_writes.py"]),
 )
 

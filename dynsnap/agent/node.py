@@ -66,6 +66,14 @@ log = logging.getLogger(__name__)
 CONTAINER_RELOOK_S = 10.0
 
 
+def _holds(obj: Obj, written: Obj) -> bool:
+    """``obj`` (the informer's copy) holds our write ``written`` or something newer: the same
+    resourceVersion (the event of our own write), or a greater one (a later write, or a relist that
+    skipped ours; resourceVersions are etcd revisions, compared as dynsnap.k8s.store does)."""
+    return obj["metadata"].get("resourceVersion") == written["metadata"].get("resourceVersion") or \
+        older(written, obj)
+
+
 @dataclass
 class NodeAgent:
     kube: Kube
@@ -111,9 +119,7 @@ class NodeAgent:
         written = self._written.get(key)
         if obj is None or written is None:
             return obj
-        caught_up = older(written, obj) or obj["metadata"].get("resourceVersion") == \
-            written["metadata"].get("resourceVersion")
-        if obj["metadata"].get("uid") != written["metadata"].get("uid") or caught_up:
+        if obj["metadata"].get("uid") != written["metadata"].get("uid") or _holds(obj, written):
             self._written.pop(key, None)  # deleted and recreated (another object), or the store caught up
             return obj
         return written
@@ -124,9 +130,10 @@ class NodeAgent:
         if written is None:
             return
         have, mine = obj["metadata"].get("resourceVersion", ""), written["metadata"].get("resourceVersion", "")
-        # Equal: the event of our own write. Greater: a relist skipped it (resourceVersions are etcd
-        # revisions; where one is not a number, any event is taken as newer, as before this cache).
-        if have == mine or not (have.isdigit() and mine.isdigit()) or int(have) > int(mine):
+        # Another object (recreated: a later revision), or a resourceVersion that is not a number: any
+        # event is taken as newer, as before this cache.
+        if _holds(obj, written) or obj["metadata"].get("uid") != written["metadata"].get("uid") or \
+                not (have.isdigit() and mine.isdigit()):
             self._written.pop(key, None)
 
     def _pod(self, ns: str, name: str) -> Obj | None:
