@@ -127,9 +127,10 @@ class Reconciler:
     async def _step(self, s: Scope, policy: Policy) -> float | None:
         decision = await self.decide(s, policy)
         phase = s.phase
-        held = F.starting_why(s.pod, s.snap, s.endpoint_ready) if phase == Phase.STARTING else []
-        log.debug("%s: phase %s%s, %s (%s)", s.key, phase, f" ({', '.join(held)})" if held else "",
-                  decision.want, decision.why)
+        if log.isEnabledFor(logging.DEBUG):  # every reconcile passes here: what only the log reads, only for it
+            held = F.starting_why(s.pod, s.snap, s.endpoint_ready) if phase == Phase.STARTING else []
+            log.debug("%s: phase %s%s, %s (%s)", s.key, phase, f" ({', '.join(held)})" if held else "",
+                      decision.want, decision.why)
         if phase == Phase.BROKEN:
             return await W.unaccepted(self.ctx, s, policy)
         ws = s.snap
