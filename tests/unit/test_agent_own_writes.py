@@ -51,26 +51,32 @@ class SlowAnswer:
     async def apply(self, res: Any, body: Obj, **_: Any) -> Obj:
         assert self.agent is not None and self.answer is not None
         for ev in self.before_answer:
-            self.agent.ws_informer.store.upsert(ev)
-            self.agent.on_ws("MODIFIED", ev)
+            deliver(self.agent, ev)
         return copy.deepcopy(self.answer)
 
 
-def agent(tmp_path: Path, kube: SlowAnswer) -> NodeAgent:
+def deliver(a: NodeAgent, obj: Obj) -> None:
+    """A watch event of ``obj``, as the informer hands it on: stored, then the agent's handler."""
+    a.ws_informer.store.upsert(obj)
+    a.on_ws("MODIFIED", obj)
+
+
+def suspended_written(tmp_path: Path, kube: SlowAnswer) -> NodeAgent:
+    """An agent whose store holds the worker Capturing (resourceVersion 95), after it wrote Suspended
+    through ``kube``."""
     a = NodeAgent(kube=cast(Any, kube), settings=AgentSettings(node_name="n", images_root=tmp_path),
                   executor=cast(Any, None), ws_informer=SimpleNamespace(store=Store()))
     kube.agent = a
+    capturing = ws_obj(95, "Suspended", state="Capturing")
+    a.ws_informer.store.upsert(capturing)
+    ws = WorkerSnapshot.model_validate(capturing)
+    asyncio.run(a._write(ws, ws.status.model_copy(update={"state": ObservedState.SUSPENDED})))
     return a
 
 
 def test_a_later_write_delivered_before_our_answer_is_what_the_next_step_reads(tmp_path: Path) -> None:
     ours, theirs = ws_obj(100, "Suspended"), ws_obj(101, "Active")
-    kube = SlowAnswer(before_answer=[ours, theirs], answer=ours)
-    a = agent(tmp_path, kube)
-    a.ws_informer.store.upsert(ws_obj(95, "Suspended", state="Capturing"))
-    ws = WorkerSnapshot.model_validate(ws_obj(95, "Suspended", state="Capturing"))
-
-    asyncio.run(a._write(ws, ws.status.model_copy(update={"state": ObservedState.SUSPENDED})))
+    a = suspended_written(tmp_path, SlowAnswer(before_answer=[ours, theirs], answer=ours))
 
     seen = a._ws(KEY)
     assert seen is not None and seen["metadata"]["resourceVersion"] == "101"
@@ -78,20 +84,13 @@ def test_a_later_write_delivered_before_our_answer_is_what_the_next_step_reads(t
 
 
 def test_our_write_not_yet_in_the_store_is_what_the_next_step_reads(tmp_path: Path) -> None:
-    kube = SlowAnswer(answer=ws_obj(100, "Suspended"))  # the watch has not delivered it yet
-    a = agent(tmp_path, kube)
-    a.ws_informer.store.upsert(ws_obj(95, "Suspended", state="Capturing"))
-    ws = WorkerSnapshot.model_validate(ws_obj(95, "Suspended", state="Capturing"))
-
-    asyncio.run(a._write(ws, ws.status.model_copy(update={"state": ObservedState.SUSPENDED})))
+    a = suspended_written(tmp_path, SlowAnswer(answer=ws_obj(100, "Suspended")))  # not yet on the watch
 
     seen = a._ws(KEY)
     assert seen is not None and seen["metadata"]["resourceVersion"] == "100"
     assert seen["status"]["state"] == "Suspended", "not the store's older Capturing"
     # Once the watch delivers it, the store is read again (and what it holds next).
-    a.ws_informer.store.upsert(ws_obj(100, "Suspended"))
-    a.on_ws("MODIFIED", ws_obj(100, "Suspended"))
-    a.ws_informer.store.upsert(ws_obj(101, "Active"))
-    a.on_ws("MODIFIED", ws_obj(101, "Active"))
+    deliver(a, ws_obj(100, "Suspended"))
+    deliver(a, ws_obj(101, "Active"))
     later = a._ws(KEY)
     assert later is not None and later["spec"]["desiredState"] == "Active"

@@ -111,6 +111,12 @@ def helpers_on_node() -> list[str]:
     return out
 
 
+def no_image_of(env: Env, w: NodePod) -> bool:
+    """No directory of the worker's pod under the node's images root holds anything."""
+    images = env.paths.images
+    return not [p for p in images.iterdir() if w.uid in p.name and any(p.iterdir())] if images.is_dir() else True
+
+
 async def worker_gpu_pid(env: Env, w: NodePod) -> int:
     """The host pid of the worker's GPU process: the worker tree's root in its container."""
     return container_procs(w.uid, (await kubelet_facts(env.api, w)).container_id).root
@@ -339,8 +345,7 @@ async def test_a_capture_over_the_disk_budget_is_refused_before_it_starts(budget
         assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce"], cap
         assert len(stub_calls(env.driver, "cuCheckpointProcessLock", gpu)) == locks, "the driver was asked to lock"
         assert stub_state(env.driver, gpu) == RUNNING
-        images = env.paths.images
-        assert not [p for p in images.iterdir() if w.uid in p.name and any(p.iterdir())] if images.is_dir() else True
+        assert no_image_of(env, w)
         await wait_ws(env, w, "back in serving, verified", back_after_refusal("DiskBudgetExceeded"), timeout=120)
         await pinned(env, w, prompt="under budget")
         await same_pod(env, w, first)
@@ -455,8 +460,7 @@ async def test_a_gpu_process_outside_the_worker_tree_is_refused_before_any_chang
         locks = [c for c in env.driver.calls()[mark:] if c.startswith("cuCheckpointProcessLock ")]
         assert locks == [], "the driver was asked to lock"
         assert [stub_state(env.driver, p) for p in (worker, daemon)] == [RUNNING, RUNNING]
-        images = env.paths.images
-        assert not [p for p in images.iterdir() if w.uid in p.name and any(p.iterdir())] if images.is_dir() else True
+        assert no_image_of(env, w)
         await wait_ws(env, w, "back in serving, verified", back_after_refusal("GpuProcessOutsideTree"), timeout=120)
         await pinned(env, w, prompt="the daemon stays")
         await same_pod(env, w, first)
