@@ -21,9 +21,9 @@
 # dynsnap's dependencies (changes with the packages and the pins: cached), then dynsnap itself
 # and the image's own files (changes with every edit of dynsnap/: a few MB, repacked in seconds);
 # the entrypoint image is one layer, and so is the Dynamo image (cached apart: it changes only with
-# Dynamo's pins and the model directory). tests/integration/test_images.py checks their contents and
-# runs the controller and the agent from them under crun (Debian's OCI runtime, installed here);
-# tests/integration/test_real_node_wake.py runs all four as pods of the real node.
+# Dynamo's pins and the model directory). tests/integration/test_images.py checks their contents;
+# tests/integration/test_real_node_wake.py and tests/integration/node/ run all four as pods of the
+# real node.
 #
 # Cache (all under $CACHE):
 #   images-base/<flavor>-<suite>-<hash>.tar   mmdebstrap's trees (key: suite, packages, options)
@@ -36,7 +36,7 @@
 #                                              venv's requirements, the model directory)
 #   images-<version>-<hash>/dynsnap-*/         the OCI layouts (key: every input, the dynsnap
 #                                              package's sources included); the newest few kept
-# Exports DYNSNAP_IMAGES (that images-<version>-<hash> directory) and DYNSNAP_CRUN.
+# Exports DYNSNAP_IMAGES (that images-<version>-<hash> directory).
 # Cold: a few minutes; after an edit of dynsnap/: seconds; warm: a hash of the inputs
 # (docs/BENCHMARKS.md). Building needs root (mmdebstrap's root mode, chroot).
 # Sourced by hack/setup.sh (log/die, $CACHE, $ROOT, versions.env); setup_images is idempotent and
@@ -53,7 +53,7 @@ IMAGES_KEEP=3   # image directories of other inputs kept (other checkouts, a bra
 
 _images_apt_deps() {
   local missing=() p
-  for p in mmdebstrap crun eatmydata; do
+  for p in mmdebstrap eatmydata; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
   done
   [[ ${#missing[@]} -eq 0 ]] && return 0
@@ -392,11 +392,9 @@ setup_images() {
     echo "$DYNAMO_VERSION"; cat "$DYNSNAP_DYNAMO_VENV/.complete"; (cd "$DYNSNAP_MODEL_DIR" && sha256sum -- *); } \
     | sha256sum | cut -c1-12)
   local out="$CACHE/images-$version-$key"
-  export DYNSNAP_CRUN; DYNSNAP_CRUN=$(command -v crun || true)
   export DYNSNAP_IMAGES="$out"
-  if [[ -f "$out/.complete" && -n "$DYNSNAP_CRUN" ]]; then log "images $version: cached ($out)"; return 0; fi
+  if [[ -f "$out/.complete" ]]; then log "images $version: cached ($out)"; return 0; fi
   _images_apt_deps
-  DYNSNAP_CRUN=$(command -v crun) || die "images: crun not found after installing it"
   [[ $EUID -eq 0 ]] || die "images: building them needs root (mmdebstrap's root mode, chroot)"
   mkdir -p "$CACHE/images-base" "$CACHE/images-layers"
   exec {_images_lock}>"$CACHE/images-base/.lock"

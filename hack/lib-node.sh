@@ -17,7 +17,7 @@
 # Images reach a node's containerd when it runs: RealNode.import_image (node.py) makes the archive
 # `ctr -n k8s.io images import` reads from an OCI layout (this pause image's, hack/lib-images.sh's).
 # runc, not crun: runc 1.1.5 runs the pods here once containerd keeps the CRI from lowering
-# oom_score_adj (node_config.py says why); crun (hack/lib-images.sh installs it) is not needed.
+# oom_score_adj (node_config.py says why); crun is not needed.
 # Cold: the kubelet build (minutes: the Go build cache is warm from the control plane's) and
 # the apt install (docs/BENCHMARKS.md); warm: stats and dpkg queries.
 # Sourced by hack/setup.sh (log/die, $CACHE, $ROOT, versions.env); setup_node is idempotent.

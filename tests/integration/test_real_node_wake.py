@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import statistics
 import time
@@ -53,6 +54,7 @@ pytestmark = pytest.mark.cluster
 
 CYCLES = 3
 CAP_CHECKPOINT_RESTORE = 40
+CONTROLLER_UID = 65532  # the controller and entrypoint images' user (hack/lib-images.sh)
 MEMORY_LIMIT_BYTES = 2 * 2**30  # realnodeenv.WORKER_MEMORY_LIMIT
 SETTLE_S = 25.0  # after a daemon's restart: examples/dgd's startupProbe and readinessProbe periods (10 s each) + 5
 TIMINGS: dict[str, list[float]] = {"suspend": [], "snapshot": []}
@@ -68,6 +70,15 @@ async def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -
             if secs:
                 print(f"\nreal node, tier {tier}: wake (lastWake) {', '.join(f'{s:.3f}' for s in secs)} s; "
                       f"median {statistics.median(secs):.3f} s")
+
+
+def _root_mount_options(pid: int) -> set[str]:
+    """The per-mount options of the process's root mount (/proc/<pid>/mountinfo's line for ``/``)."""
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == "/":
+            return set(fields[5].split(","))
+    raise AssertionError(f"no root mount in /proc/{pid}/mountinfo")
 
 
 async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
@@ -87,16 +98,32 @@ async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
         assert procfs.environ(pid)["KUBERNETES_SERVICE_HOST"] == env.node.kube_proxy["services"][0]["clusterIP"]  # type: ignore[index]
     lease = await env.api.get(R.LEASES, f"{RELEASE}-controller", namespace=NS)
     assert lease["spec"]["holderIdentity"] == ctl["metadata"]["name"]
-    ctl_sec = security(container_pid(ctl, "controller"))
+    ctl_pid = container_pid(ctl, "controller")
+    ctl_sec = security(ctl_pid)
     assert ctl_sec["CapEff"] == "0000000000000000" and ctl_sec["NoNewPrivs"] == "1" and ctl_sec["Seccomp"] == "2"
+    # As the image's own user (not the chart's securityContext's choice alone) on a read-only root.
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{ctl_pid}/status").read_text().splitlines()
+                  if ":\t" in line)
+    assert status["Uid"].split() == status["Gid"].split() == [str(CONTROLLER_UID)] * 4, status
+    assert _root_mount_options(ctl_pid) & {"ro", "rw"} == {"ro"}
     assert agent["spec"]["hostPID"] is True
     assert agent["spec"]["containers"][0]["securityContext"] == {"privileged": True}
     assert security(container_pid(agent, "agent"))["Seccomp"] == "0"  # privileged: unconfined
-    # The node tools the init container put on the node are the image's CRIU, with dynsnap's patches.
-    criu = (env.paths.tools / "bin" / "criu").read_bytes()
-    assert criu == OciImage.load(image_layout("dynsnap-agent")).read("usr/local/sbin/criu")
+    # The node tools the init container put on the node are the image's CRIU, with dynsnap's patches,
+    # its CUDA plugin and dynsnap-cuda (under the name the plugin execs), each executable by root only
+    # through the node directory the chart mounts.
+    agent_img = OciImage.load(image_layout("dynsnap-agent"))
+    tools = env.paths.tools
+    for node_path, image_path in (("bin/criu", "usr/local/sbin/criu"),
+                                  ("lib/criu/cuda_plugin.so", "usr/local/lib/criu/cuda_plugin.so"),
+                                  ("bin/dynsnap-cuda", "usr/local/bin/dynsnap-cuda")):
+        assert (tools / node_path).read_bytes() == agent_img.read(image_path), node_path
+        assert (tools / node_path).stat().st_mode & 0o777 == 0o755, node_path
+    assert os.readlink(tools / "bin" / "cuda-checkpoint") == "dynsnap-cuda"
+    criu = (tools / "bin" / "criu").read_bytes()
     assert b"DYNSNAP_CRIU_READ_THREADS" in criu and b"early madvise(" in criu  # patches 0002 and 0001
     assert oct(env.paths.images.stat().st_mode & 0o777) == "0o700"
+    assert oct(env.paths.cuda_state.stat().st_mode & 0o777) == "0o700"
 
 
 async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
@@ -108,6 +135,7 @@ async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
     assert env.graph is not None and env.fe is not None
     example = next(c for c in env.graph.dgd["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     want = next(c for c in example["podTemplate"]["spec"]["containers"] if c["name"] == "main")
+    ep_img = OciImage.load(image_layout("dynsnap-entrypoint"))
     for w in env.graph.workers(WORKER_COMPONENT):
         pod = await env.api.get(R.PODS, w.name, namespace=w.namespace)
         inits = {c["name"]: c["state"].get("terminated", {}) for c in pod["status"]["initContainerStatuses"]}
@@ -120,13 +148,21 @@ async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
         facts = await kubelet_facts(env.api, w)
         procs = container_procs(w.uid, facts.container_id)
         assert procfs.cmdline(procs.entrypoint)[:1] == ["/dynsnap/bin/dynsnap-entrypoint"]
+        # ... the very file of the entrypoint image, copied by its init container onto the emptyDir
+        # (the init container's non-root user owns the copy), and the huge-page library beside it.
+        volumes = env.node.layout.kubelet_root / "pods" / w.uid / "volumes"
+        bindir = volumes / "kubernetes.io~empty-dir" / "dynsnap-bin"
+        copied = bindir / "dynsnap-entrypoint"
+        assert Path(f"/proc/{procs.entrypoint}/exe").read_bytes() == copied.read_bytes() == ep_img.read(
+            "usr/local/bin/dynsnap-entrypoint")
+        assert copied.stat().st_uid == CONTROLLER_UID and copied.stat().st_mode & 0o111 == 0o111
+        assert (bindir / "libdynsnap-thp.so").read_bytes() == ep_img.read("usr/local/bin/libdynsnap-thp.so")
         # kubelet's cgroupfs layout, as this node makes it: the memory and pids hierarchies' paths (and any
         # other that names a pod) name this pod and the container kubelet reports: the real sample of
         # procfs.parse_pod_cgroup's cgroupfs rows.
         ours = procfs.PodCgroup(pod_uid=PodUID(w.uid), container_id=facts.container_id)
         named = {c: procfs.parse_pod_cgroup(path) for c, path in cgroups(procs.entrypoint).items()}
         assert named["memory"] == named["pids"] == ours and set(named.values()) <= {ours, None}, named
-        volumes = env.node.layout.kubelet_root / "pods" / w.uid / "volumes"
         control = volumes / "kubernetes.io~empty-dir" / "dynsnap-control"
         assert (control / "entrypoint.json").is_file()
         maps = procfs.maps_paths(procs.root)
