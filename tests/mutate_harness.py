@@ -37,7 +37,7 @@ READY_RULE = UNITS + "test_ready_is_containers_ready_and_every_gate"
 INSTANCE_ID = UNITS + "test_instance_id_is_the_generate_endpoint_of_the_dwm"
 WATCH_GONE = ("tests/integration/test_apiserver.py::"
               "test_watch_from_too_old_resource_version_is_gone_and_relist_recovers")
-PINNED = "tests/integration/test_dynamo.py::test_pinned_request_is_answered_by_that_worker"
+PINNED = "tests/integration/node/test_dynamo.py::test_pinned_request_is_answered_by_that_worker"
 LIVENESS = "tests/integration/test_stub_kubelet.py::test_liveness_failures_are_counted_as_restarts[/missing-True]"
 REAL_NODE = "tests/integration/test_real_node.py"
 REAL_POD = REAL_NODE + "::test_pod_runs_on_the_real_node"
