@@ -73,12 +73,6 @@ class StubKubelet:
     # How often gates are re-read even when probes are slower: a gate flip must reach Ready fast.
     tick: float = 0.25
     restarts: int = 0
-    # Readiness timed as kubelet times it: one probe every periodSeconds, and not ready only after
-    # failureThreshold failures in a row (ready again at the first success). Off by default: the
-    # stub then probes every second and believes one failure, which only makes tests faster. A test
-    # turns it on for a pod that must stay Ready for kubelet's window after its worker stopped
-    # answering (a frozen worker is Ready for up to periodSeconds x failureThreshold on a node).
-    readiness_window: bool = False
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -115,7 +109,7 @@ class StubKubelet:
         loop = asyncio.get_running_loop()
         last_probe = {"startup": -1e9, "readiness": -1e9, "liveness": -1e9}
         state = {"readiness": False, "started": False}
-        live_failures = ready_failures = 0
+        live_failures = 0
         async with httpx.AsyncClient() as http:
             while True:
                 try:
@@ -142,14 +136,11 @@ class StubKubelet:
                     state["readiness"] = False
                 elif readiness is None:
                     state["readiness"] = True
-                elif now - last_probe["readiness"] >= (readiness.period if self.readiness_window
-                                                       else min(readiness.period, 1.0)):
-                    # Probing faster than periodSeconds (by default) only shortens the tests; the outcome is the same.
+                elif now - last_probe["readiness"] >= min(readiness.period, 1.0):
+                    # Probing faster than periodSeconds and believing one failure only shortens the tests:
+                    # no test here needs kubelet's readiness window (the real node's kubelet keeps it).
                     last_probe["readiness"] = now
-                    ok = await self._probe(http, readiness)
-                    ready_failures = 0 if ok else ready_failures + 1
-                    if ok or not self.readiness_window or ready_failures >= readiness.failure_threshold:
-                        state["readiness"] = ok
+                    state["readiness"] = await self._probe(http, readiness)
                 if state["started"] and liveness is not None and now - last_probe["liveness"] >= liveness.period:
                     last_probe["liveness"] = now
                     if await self._probe(http, liveness):

@@ -52,7 +52,7 @@ FLEET_UNIT = "tests/unit/test_controller_fleet.py::test_phase"
 STORE_UNIT = "tests/unit/test_k8s_store.py::test_an_earlier_version_does_not_replace_a_later_one"
 FRONTEND_UNIT = "tests/unit/test_frontend_parse.py::"
 PINNED_UNIT = FRONTEND_UNIT + "test_a_pinned_answer_is_this_workers_only_when_it_names_every_pinned_id"
-FALSE = ("tests/integration/test_controller_false_wake.py::"
+FALSE = ("tests/integration/node/test_controller_false_wake.py::"
          "test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves")
 FROZEN = FALSE + "[frozen-none]"
 REPLACED = FALSE + "[frozen-replaced-restart]"
