@@ -29,7 +29,8 @@ from dynsnap.testenv.chart_node import NODE, NS, RELEASE, WORKER_COMPONENT, Env,
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 
-__all__ = ["NODE", "NS", "RELEASE", "SHARED_VALUES", "TWO_GPU_PROCESSES", "WORKER_COMPONENT", "Env", "ServingLooks",
+__all__ = ["DAEMON_SETS", "DEPLOYMENTS", "NODE", "NS", "RELEASE", "SHARED_VALUES", "TWO_GPU_PROCESSES",
+           "WORKER_COMPONENT", "Env", "ServingLooks",
            "agent_off_node", "api_server_env", "chart_pod", "component_policy", "controller_through_proxy", "deployed",
            "edit_dgd", "installed", "instance_id", "launched_by", "running", "scale_controller", "upgrade",
            "worker_main"]

@@ -1,68 +1,42 @@
 """deploy/helm/dynsnap with the real helm (``$DYNSNAP_HELM``) against the local API server, as a
-platform engineer would use it: ``helm lint``, ``helm install``, ``helm upgrade`` with changed
-values, ``helm uninstall``; and what the uninstall does to a sleeping worker.
-
-kwok runs no containers and this control plane runs no Deployment, DaemonSet or Job controller, so
-what the chart's workloads would run is played by processes, each named for what it stands in for
-and each under the identity the chart created (tokens from the TokenRequest API for the chart's own
-service accounts, so the chart's RBAC is what they get):
-
-- ``stand_in_controller``: the controller Deployment's pod: ``dynsnap`` with the container's args
-  and its environment as the API server holds them (the downward API resolved: POD_NAME as the
-  Lease identity, the release namespace as the Lease's), ``--health-port 0`` added (flags win; a
-  fixed port could collide on this shared machine);
-- ``AgentProc`` per fake node: the agent DaemonSet's pods (with the local environment's paths);
-- ``stub_job_runner``: the Job controller and a kubelet for the uninstall hook: it runs the Job's
-  container command exactly as rendered, as its own process under the Job's service account, then
-  writes the Job's status as the Job controller would (Complete on exit 0, Failed otherwise).
+platform engineer would use it: ``helm lint``, ``helm install``, ``helm upgrade`` with changed values,
+``helm uninstall``, and what the chart grants, asked of the API server.
 
 What is asserted: the objects the API server holds after install (the CRD from the chart's crds/,
 service accounts, RBAC with deploy/rbac's rules, Deployment, DaemonSet) and who may do what
-(SubjectAccessReviews); the controller and the agents doing their job under the chart's RBAC (a
-worker captured); the live objects after an upgrade. Then two uninstalls. The first while the
-sleeping worker's node has no agent: the hook cannot get it woken, fails when its time is up, and
-helm stops there, the DaemonSet and the Deployment still installed (the agent, back, wakes it). The
-second, with the worker asleep again: in order, the worker woken by the agent and verified by the
-controller while the DaemonSet and the Deployment still exist (helm waits on the hook), then
-everything of the release gone but the CRD, and the woken worker answering requests pinned to it
-with dynsnap gone.
+(SubjectAccessReviews under the chart's service accounts); the live objects and the uninstall hook
+after an upgrade; everything of the release gone after an uninstall but the CRD; and with
+``controller.watchNamespace`` the controller's own token confined to that namespace.
+
+Sandbox, why not: nothing of the chart runs here (kwok's nodes run no containers and this control plane
+no Deployment, DaemonSet or Job controller). The chart's workloads run on the real node:
+test_real_node_wake.py and tests/integration/node/ install it there with helm (the controller and the
+agent doing their job under the chart's RBAC), and test_real_node_faults.py runs its uninstall hook
+with a worker asleep (a hook that cannot wake it stops the uninstall with everything installed; one
+that can wakes and verifies it before dynsnap goes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import shutil
-import sys
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from controllerenv import asleep, get_ws, policy, verified_after
 
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import ApiError, Conflict, NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.models.resources import Resource
-from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import NODES, LocalCluster, wait_for
-from dynsnap.testenv.dynsnap_parts import (
-    ROOT,
-    AgentProc,
-    build_stub_driver,
-    install_dynsnap,
-    token_kubeconfig,
-)
-from dynsnap.testenv.process import Supervised
+from dynsnap.testenv.cluster import LocalCluster, wait_for
+from dynsnap.testenv.dynsnap_parts import ROOT, install_dynsnap, token_kubeconfig
 
 pytestmark = pytest.mark.cluster
 
@@ -77,9 +51,6 @@ DAEMON_SETS = Resource("apps", "v1", "daemonsets", "DaemonSet")
 JOBS = Resource("batch", "v1", "jobs", "Job")
 SARS = Resource("authorization.k8s.io", "v1", "subjectaccessreviews", "SubjectAccessReview", namespaced=False)
 HELM_BOUND = 180.0  # a helm command running longer than this is stuck: the test fails instead of hanging
-# uninstall.timeout after the upgrade: what the hook's `dynsnap wake --all` may take. A wake and its
-# verification take a few seconds here; the failing attempt waits all of it.
-HOOK_TIMEOUT = 30
 INSTALL_VALUES = [
     # Local timing (the defaults are for real clusters), passed the way a user would.
     "controller.scrapeInterval=1", "controller.verifyTimeout=30", "controller.quiesceTimeout=60",
@@ -119,30 +90,6 @@ class Helm:
 
     async def run(self, *args: str) -> tuple[int, str]:
         return await self.finish(await self.start(*args), "helm " + " ".join(args[:2]))
-
-
-@dataclass
-class StandIns:
-    """The processes playing the chart's workloads (see the module docstring)."""
-
-    work: Path
-    agents: list[AgentProc] = field(default_factory=list)
-    controller: Supervised | None = None
-
-    async def stop(self) -> None:
-        if self.controller is not None:
-            await self.controller.stop(grace=10)
-            self.controller = None
-        await asyncio.gather(*(a.stop() for a in self.agents), return_exceptions=True)
-        self.agents = []
-
-    def keep_logs(self) -> Path:
-        """The stand-ins' whole logs, copied where the session keeps component logs of a failed run."""
-        keep = Path(os.environ.get("DYNSNAP_KEEP_LOGS", "test-logs")) / "helm"
-        keep.mkdir(parents=True, exist_ok=True)
-        for log in self.work.rglob("*.log"):
-            shutil.copy2(log, keep / log.name)
-        return keep.resolve()
 
 
 @pytest.fixture
@@ -199,98 +146,10 @@ def env_of(container: Obj) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env") or []}
 
 
-def resolve_env(container: Obj, fields: dict[str, str]) -> dict[str, str]:
-    """The container's environment as a kubelet would give it (downward API fields from ``fields``)."""
-    out = {}
-    for e in container.get("env") or []:
-        # An empty value is not stored: the API server drops `value: ""`.
-        out[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]] if "valueFrom" in e else e.get("value", "")
-    return out
-
-
-async def stand_in_controller(cluster: LocalCluster, work: Path) -> Supervised:
-    """The controller Deployment's pod, from the live Deployment (see the module docstring)."""
-    api = cluster.api
-    dep = await api.get(DEPLOYMENTS, CONTROLLER, namespace=NS)
-    pod = dep["spec"]["template"]["spec"]
-    (c,) = pod["containers"]
-    assert c["command"] == ["dynsnap"], c["command"]
-    pod_name = f"{CONTROLLER}-standin-0"
-    kc = await token_kubeconfig(cluster, namespace=NS, sa=pod["serviceAccountName"], path=work / "controller.kc")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DYNSNAP_CONTROLLER_") and k != "KUBECONFIG"}
-    env |= resolve_env(c, {"metadata.name": pod_name, "metadata.namespace": NS})
-    proc = Supervised(pod_name, [sys.executable, "-m", "dynsnap", *c["args"], "--kubeconfig", str(kc),
-                                 "--health-port", "0"], log_path=work / "controller.log", env=env)
-    await proc.start()
-    return proc
-
-
-@dataclass
-class HookRun:
-    args: list[str]
-    code: int
-    out: str
-
-
-async def stub_job_runner(cluster: LocalCluster, work: Path, *, timeout: float, not_uid: str = "") -> HookRun:
-    """Stands in for kube-controller-manager's Job controller and a kubelet, for the uninstall hook:
-    waits for the hook Job (another than ``not_uid``), runs its container's command exactly as rendered
-    (``dynsnap`` as this checkout's ``python -m dynsnap``) under the Job's service account, and returns
-    its exit code and output. The Job's status is written by :func:`finish_job`."""
-    api = cluster.api
-
-    async def new_job() -> Obj | None:
-        job = await _get(api, JOBS, HOOK_JOB, NS)
-        return job if job is not None and job["metadata"]["uid"] != not_uid else None
-    job = await wait_for(f"hook Job {HOOK_JOB}", new_job, timeout=60, interval=0.2)
-    pod = job["spec"]["template"]["spec"]
-    (c,) = pod["containers"]
-    assert c["command"] == ["dynsnap"], c["command"]
-    assert pod["serviceAccountName"] == HOOK_SA
-    kc = await token_kubeconfig(cluster, namespace=NS, sa=pod["serviceAccountName"], path=work / "hook.kc")
-    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dynsnap", *c["args"], "--kubeconfig", str(kc),
-                                                env=env, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
-    code, out = await Helm.finish(proc, "the hook's `dynsnap wake --all`", timeout)
-    return HookRun(list(c["args"]), code, out)
-
-
-async def finish_job(api: Kube, code: int) -> None:
-    """The Job's status as the Job controller writes it when its only pod exited with ``code``."""
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-    def cond(t: str, reason: str) -> Obj:
-        return {"type": t, "status": "True", "reason": reason, "lastProbeTime": now, "lastTransitionTime": now}
-    if code == 0:
-        status = {"startTime": now, "completionTime": now, "succeeded": 1, "active": 0, "ready": 0,
-                  "conditions": [cond("SuccessCriteriaMet", "CompletionsReached"),
-                                 cond("Complete", "CompletionsReached")]}
-    else:
-        status = {"startTime": now, "failed": 1, "active": 0, "ready": 0,
-                  "conditions": [cond("FailureTarget", "BackoffLimitExceeded"), cond("Failed", "BackoffLimitExceeded")]}
-    await api.merge_patch(JOBS, HOOK_JOB, {"status": status}, namespace=NS, subresource="status")
-
-
-async def _get(api: Kube, res: Resource, name: str, namespace: str | None) -> Obj | None:
-    with contextlib.suppress(NotFound):
-        return await api.get(res, name, namespace=namespace)
-    return None
-
-
-def graph_body(libcuda: str) -> Obj:
-    worker = D.mocker_component("worker", replicas=2, dynsnap=True, env={"LD_PRELOAD": libcuda})
-    worker["annotations"] = policy(min_active=1, verify_requests=2)
-    body = D.dgd("helm-graph", [D.frontend_component(), worker])
-    body["metadata"]["annotations"] = policy(enabled=True, idle_after="2s", tier="snapshot")
-    return body
-
-
 # -- the test ------------------------------------------------------------------------------------------------
 
-async def test_install_upgrade_uninstall_and_no_worker_left_asleep(cluster: LocalCluster, helm_env: Helm) -> None:
+async def test_lint_install_upgrade_uninstall_and_least_privilege(cluster: LocalCluster, helm_env: Helm) -> None:
     api, helm = cluster.api, helm_env
-    work = helm.home
 
     # lint
     code, out = await helm.run("lint", "--strict", str(CHART))
@@ -351,153 +210,45 @@ async def test_install_upgrade_uninstall_and_no_worker_left_asleep(cluster: Loca
         assert not await can(api, sa, verb, resource, group=group, subresource=sub, namespace=ns), (
             sa, verb, resource, sub)
 
-    # the workloads' stand-ins, under the chart's service accounts; a graph whose idle worker sleeps
-    driver = build_stub_driver(work / "stubcuda")
-    agent_kc = await token_kubeconfig(cluster, namespace=NS, sa=dspod["serviceAccountName"], path=work / "agent.kc")
-    stand = StandIns(work, agents=[AgentProc(n, agent_kc, work / n, driver) for n in NODES])
-    graph: D.Graph | None = None
-    fe: D.FrontendClient | None = None
-    try:
-        for a in stand.agents:
-            await a.start()
-        stand.controller = await stand_in_controller(cluster, work)
-        graph = await D.deploy(cluster, graph_body(str(driver.libcuda)), wait=False)
-        workers = graph.workers("worker")
-        await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=120) for p in workers))
-        fe = D.FrontendClient(graph.frontend)
-        await fe.wait_model()
+    # upgrade: changed values land on the live objects (and in the hook helm runs on uninstall)
+    code, out = await helm.run("upgrade", RELEASE, str(CHART), "-n", NS, "--reuse-values",
+                               "--set", "controller.verifyTimeout=45",
+                               "--set", "agent.imagesRoot=/var/lib/dynsnap/captures",
+                               "--set", "uninstall.timeout=30")
+    assert code == 0, out
+    dep2 = await api.get(DEPLOYMENTS, CONTROLLER, namespace=NS)
+    ds2 = await api.get(DAEMON_SETS, AGENT, namespace=NS)
+    (ctl2,) = dep2["spec"]["template"]["spec"]["containers"]
+    assert env_of(ctl2)["DYNSNAP_CONTROLLER_VERIFY_TIMEOUT"] == "45"
+    assert env_of(ctl2)["DYNSNAP_CONTROLLER_SCRAPE_INTERVAL"] == "1"  # --reuse-values kept the install's
+    pod2 = ds2["spec"]["template"]["spec"]
+    assert env_of(pod2["containers"][0])["DYNSNAP_AGENT_IMAGES_ROOT"] == "/var/lib/dynsnap/captures"
+    assert {v["name"]: v for v in pod2["volumes"]}["images"]["hostPath"]["path"] == "/var/lib/dynsnap/captures"
+    assert {m["name"]: m["mountPath"] for m in pod2["containers"][0]["volumeMounts"]}["images"] == (
+        "/var/lib/dynsnap/captures")
+    assert dep2["metadata"]["generation"] > dep["metadata"]["generation"]
+    assert ds2["metadata"]["generation"] > ds["metadata"]["generation"]
+    code, out = await helm.run("history", RELEASE, "-n", NS, "-o", "yaml")
+    assert code == 0 and [h["revision"] for h in yaml.safe_load(out)] == [1, 2], out
+    code, out = await helm.run("get", "hooks", RELEASE, "-n", NS)
+    assert code == 0, out
+    (job,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Job"]
+    (hook,) = job["spec"]["template"]["spec"]["containers"]
+    assert hook["args"] == ["wake", "--all", "--all-namespaces", "--timeout", "30"], hook["args"]
 
-        # The Lease: in the release namespace, held under the (stand-in) pod's name.
-        lease = await wait_for("the controller's Lease", lambda: _get(api, R.LEASES, CONTROLLER, NS), timeout=60)
-        assert lease["spec"]["holderIdentity"] == f"{CONTROLLER}-standin-0"
-
-        # upgrade: changed values land on the live objects (and in the hook helm runs on uninstall)
-        code, out = await helm.run("upgrade", RELEASE, str(CHART), "-n", NS, "--reuse-values",
-                                   "--set", "controller.verifyTimeout=45",
-                                   "--set", "agent.imagesRoot=/var/lib/dynsnap/captures",
-                                   "--set", f"uninstall.timeout={HOOK_TIMEOUT}")
-        assert code == 0, out
-        dep2 = await api.get(DEPLOYMENTS, CONTROLLER, namespace=NS)
-        ds2 = await api.get(DAEMON_SETS, AGENT, namespace=NS)
-        (ctl2,) = dep2["spec"]["template"]["spec"]["containers"]
-        assert env_of(ctl2)["DYNSNAP_CONTROLLER_VERIFY_TIMEOUT"] == "45"
-        assert env_of(ctl2)["DYNSNAP_CONTROLLER_SCRAPE_INTERVAL"] == "1"  # --reuse-values kept the install's
-        pod2 = ds2["spec"]["template"]["spec"]
-        assert env_of(pod2["containers"][0])["DYNSNAP_AGENT_IMAGES_ROOT"] == "/var/lib/dynsnap/captures"
-        assert {v["name"]: v for v in pod2["volumes"]}["images"]["hostPath"]["path"] == "/var/lib/dynsnap/captures"
-        assert {m["name"]: m["mountPath"] for m in pod2["containers"][0]["volumeMounts"]}["images"] == (
-            "/var/lib/dynsnap/captures")
-        assert dep2["metadata"]["generation"] > dep["metadata"]["generation"]
-        assert ds2["metadata"]["generation"] > ds["metadata"]["generation"]
-        code, out = await helm.run("history", RELEASE, "-n", NS, "-o", "yaml")
-        assert code == 0 and [h["revision"] for h in yaml.safe_load(out)] == [1, 2], out
-
-        async def one_asleep() -> list[str]:
-            return [p.name for p in workers if asleep(await get_ws(api, p))]
-        (name,) = await wait_for("one of two workers asleep", one_asleep, timeout=180, interval=0.5)
-        sleeper = next(p for p in workers if p.name == name)
-        ws = await get_ws(api, sleeper)
-        assert ws is not None and ws["status"]["lastCapture"]["tier"] == "snapshot"
-        woken_before = (ws["status"].get("lastWake") or {}).get("id")
-
-        # uninstall while the sleeper's node has no agent (its pod lost): the hook cannot get it woken,
-        # fails, and the uninstall stops there with the agents and the controller still installed.
-        lost = next(a for a in stand.agents if a.node == sleeper.node)
-        await lost.stop()
-        uninstall = await helm.start("uninstall", RELEASE, "-n", NS, "--timeout", f"{HOOK_TIMEOUT + 60}s")
-        hook = await stub_job_runner(cluster, work, timeout=HOOK_TIMEOUT + 30)
-        print(hook.out)
-        assert hook.args == ["wake", "--all", "--all-namespaces", "--timeout", str(HOOK_TIMEOUT)]
-        assert hook.code == 3, hook.out  # not done within its timeout
-        assert f"not done in {HOOK_TIMEOUT}s: {sleeper.namespace}/{sleeper.name}" in hook.out, hook.out
-        await finish_job(api, hook.code)
-        code, out = await Helm.finish(uninstall, "helm uninstall (hook failing)")
-        assert code != 0 and f"job {HOOK_JOB} failed" in out, out
-        for res, name in ((DAEMON_SETS, AGENT), (DEPLOYMENTS, CONTROLLER), (R.SERVICE_ACCOUNTS, AGENT),
-                          (R.SERVICE_ACCOUNTS, CONTROLLER)):
-            assert await exists(api, res, name, NS), f"{res.kind} {name} deleted although the hook failed"
-        assert await exists(api, R.CLUSTER_ROLES, AGENT)
-        failed = await api.get(JOBS, HOOK_JOB, namespace=NS)  # kept, for its log
-        assert any(c["type"] == "Failed" for c in failed["status"]["conditions"])
-        ws = await get_ws(api, sleeper)
-        assert ws is not None and ws["status"]["state"] == "Suspended"  # asleep, its agent still installed
-        # The release is left "uninstalling": an upgrade is refused until a rollback makes it deployed again
-        # (docs/install.md says so).
-        code, out = await helm.run("status", RELEASE, "-n", NS, "-o", "json")
-        assert code == 0 and json.loads(out)["info"]["status"] == "uninstalling", out
-        code, out = await helm.run("upgrade", RELEASE, str(CHART), "-n", NS, "--reuse-values")
-        assert code != 0 and "has no deployed releases" in out, out
-        code, out = await helm.run("rollback", RELEASE, "-n", NS)
-        assert code == 0, out
-        code, out = await helm.run("status", RELEASE, "-n", NS, "-o", "json")
-        assert code == 0 and json.loads(out)["info"]["status"] == "deployed", out
-        # Its agent's pod comes back and wakes it (the override the hook set stands); the controller proves it.
-        await lost.start()
-
-        async def woken_and_verified() -> Obj | None:
-            got = await get_ws(api, sleeper)
-            return got if verified_after(woken_before)(got) else None
-        await wait_for(f"{sleeper.name} woken and verified", woken_and_verified, timeout=120, interval=0.5)
-        # The person who uninstalls lifts the overrides (dynsnap manages the workers again): one goes back to sleep.
-        for p in workers:
-            await api.merge_patch(R.PODS, p.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: None}}},
-                                  namespace=p.namespace)
-        (name,) = await wait_for("one of two workers asleep again", one_asleep, timeout=180, interval=0.5)
-        sleeper = next(p for p in workers if p.name == name)
-        woken_before = ((await get_ws(api, sleeper)) or {})["status"].get("lastWake", {}).get("id")
-
-        # uninstall again: now the hook wakes the sleeper before the agents and the controller go
-        uninstall = await helm.start("uninstall", RELEASE, "-n", NS, "--timeout", f"{HOOK_TIMEOUT + 60}s")
-        hook = await stub_job_runner(cluster, work, timeout=HOOK_TIMEOUT + 30, not_uid=failed["metadata"]["uid"])
-        print(hook.out)
-        # Helm is waiting on the Job: the DaemonSet and the Deployment are still there...
-        assert await exists(api, DAEMON_SETS, AGENT, NS) and await exists(api, DEPLOYMENTS, CONTROLLER, NS)
-        assert uninstall.returncode is None
-        assert hook.code == 0, hook.out
-        assert "2 of 2 awake, 0 skipped" in hook.out, hook.out
-        # ...and the sleeper is awake already: woken by the agent, that wake verified by the controller.
-        ws = await get_ws(api, sleeper)
-        assert ws is not None and ws["status"]["state"] == "Active" and ws["spec"]["desiredState"] == "Active"
-        wake = ws["status"]["lastWake"]
-        assert wake["id"] != woken_before and wake["ok"] is True and wake["tier"] == "snapshot"
-        assert verified_after(woken_before)(ws), ws["status"].get("controller")
-        by = {m["manager"] for m in ws["metadata"]["managedFields"] if "f:lastWake" in str(m.get("fieldsV1"))}
-        assert by == {P.AGENT_FIELD_MANAGER}, by  # the agent woke it
-        live = await api.get(R.PODS, sleeper.name, namespace=sleeper.namespace)
-        assert live["metadata"]["uid"] == sleeper.uid
-        assert live["metadata"]["annotations"][P.ANN_DESIRED_STATE] == "active"
-        assert any(m["manager"] == P.CLI_FIELD_MANAGER for m in live["metadata"]["managedFields"])
-        await finish_job(api, hook.code)
-        code, out = await Helm.finish(uninstall, "helm uninstall")
-        assert code == 0, out
-        assert f'release "{RELEASE}" uninstalled' in out, out
-
-        # Everything of the release is gone, hooks included; the CRD stays (helm never deletes crds/).
-        for res, name, ns in ((DEPLOYMENTS, CONTROLLER, NS), (DAEMON_SETS, AGENT, NS), (JOBS, HOOK_JOB, NS),
-                              (R.SERVICE_ACCOUNTS, CONTROLLER, NS), (R.SERVICE_ACCOUNTS, AGENT, NS),
-                              (R.SERVICE_ACCOUNTS, HOOK_SA, NS), (R.CLUSTER_ROLE_BINDINGS, HOOK_SA, None),
-                              (R.CLUSTER_ROLES, CONTROLLER, None), (R.CLUSTER_ROLES, AGENT, None),
-                              (R.CLUSTER_ROLES, USER, None), (R.ROLES, f"{CONTROLLER}-leader-election", NS)):
-            await wait_for(f"{res.kind} {name} deleted", lambda r=res, n=name, s=ns: _absent(api, r, n, s),
-                           timeout=30)
-        assert await exists(api, R.CRDS, CRD_NAME)
-        # Their pods would be gone now: so are the stand-ins. The woken worker serves on its own.
-        await stand.stop()
-        iid = instance_id_from_dwm(await api.get(R.DWMS, sleeper.name, namespace=sleeper.namespace))
-        await fe.wait_routable(iid, timeout=60)
-        answers = [await fe.chat(f"after uninstall {i}", worker_id=iid, max_tokens=2) for i in range(3)]
-        assert [(a.status, a.worker_id) for a in answers] == [(200, iid)] * 3, [a.body for a in answers]
-    except BaseException:
-        for p in graph.workers("worker") if graph is not None else []:
-            print(f"--- {p.name} ---\n" + yaml.safe_dump(((await get_ws(api, p)) or {}).get("status")))
-        print(f"stand-in logs kept in {stand.keep_logs()}")
-        raise
-    finally:
-        if fe is not None:
-            await fe.close()
-        await stand.stop()
-        if graph is not None:
-            await D.teardown(cluster, graph)
+    # uninstall: everything of the release gone but the CRD (helm never deletes crds/). Its pre-delete hook
+    # (the Job above) needs a Job controller and a kubelet, which this cluster's kwok nodes do not have: it
+    # runs on the real node (test_real_node_faults.py: a hook that cannot wake a sleeper stops the uninstall,
+    # one that can wakes it before dynsnap goes).
+    code, out = await helm.run("uninstall", RELEASE, "-n", NS, "--no-hooks")
+    assert code == 0 and f'release "{RELEASE}" uninstalled' in out, out
+    for res, name, ns in ((DEPLOYMENTS, CONTROLLER, NS), (DAEMON_SETS, AGENT, NS), (JOBS, HOOK_JOB, NS),
+                          (R.SERVICE_ACCOUNTS, CONTROLLER, NS), (R.SERVICE_ACCOUNTS, AGENT, NS),
+                          (R.SERVICE_ACCOUNTS, HOOK_SA, NS), (R.CLUSTER_ROLE_BINDINGS, HOOK_SA, None),
+                          (R.CLUSTER_ROLES, CONTROLLER, None), (R.CLUSTER_ROLES, AGENT, None),
+                          (R.CLUSTER_ROLES, USER, None), (R.ROLES, f"{CONTROLLER}-leader-election", NS)):
+        await wait_for(f"{res.kind} {name} deleted", lambda r=res, n=name, s=ns: _absent(api, r, n, s), timeout=30)
+    assert await exists(api, R.CRDS, CRD_NAME)
 
 
 async def _absent(api: Kube, res: Resource, name: str, namespace: str | None = None) -> bool:

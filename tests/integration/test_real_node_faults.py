@@ -21,6 +21,8 @@ resume call so that the agent is deleted while it is in flight: the one fault ma
 
 from __future__ import annotations
 
+import copy
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
@@ -30,7 +32,18 @@ import pytest
 from controllerenv import asleep, cond, events_for, get_ws, own_instance, verified_after
 from helperprocs import Helper, helpers_for
 from realnodecycle import override, same_pod, set_tier, trickle, wait_ws
-from realnodeenv import NS, WORKER_COMPONENT, Env, chart_pod, running
+from realnodeenv import (
+    DAEMON_SETS,
+    DEPLOYMENTS,
+    NS,
+    RELEASE,
+    WORKER_COMPONENT,
+    Env,
+    agent_off_node,
+    chart_pod,
+    running,
+    upgrade,
+)
 from realnodefacts import container_procs, kubelet_facts, stub_state
 from restart_faults import unhang
 
@@ -38,8 +51,9 @@ from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
+from dynsnap.models.resources import Resource
 from dynsnap.runtime import procfs
-from dynsnap.testenv import real_graph
+from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.real_graph import NodePod
 
@@ -278,3 +292,117 @@ async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the
     logs = [f.read_text(errors="replace") for f in env.node.layout.pod_logs.glob(f"{NS}_{agent}_*/agent/*.log")]
     assert any("deleted images of pods gone from this node" in t and str(old_dir) in t for t in logs), \
         "the agent's image GC said which images it deleted (its log, as kubelet keeps it)"
+
+
+# -- helm uninstall with a worker asleep (the module's last two tests: they take the release down) ----------
+
+HOOK_TIMEOUT = 20  # uninstall.timeout for these two: what the hook's `dynsnap wake --all` may take
+HOOK_JOB = f"{RELEASE}-wake-all"
+JOBS = Resource("batch", "v1", "jobs", "Job")
+
+
+def _sleeper(env: Env) -> NodePod:
+    """The worker these tests put to sleep: the graph's second (the first was recreated above)."""
+    assert env.graph is not None
+    return env.graph.workers(WORKER_COMPONENT)[1]
+
+
+async def _asleep_by_override(env: Env, w: NodePod) -> str | None:
+    """``dynsnap suspend`` of ``w``, returned once it sleeps: the id of its last wake before (None: none)."""
+    await override(env, w, "suspended")
+    ws = await wait_ws(env, w, "asleep", asleep)
+    wake: Obj = ws["status"].get("lastWake") or {}
+    return wake.get("id")
+
+
+async def _release_objects(env: Env) -> dict[str, bool]:
+    """Whether each of the release's workloads, service accounts and cluster roles exists."""
+    out = {}
+    agent, ctl = f"{RELEASE}-agent", f"{RELEASE}-controller"
+    for res, name, ns in ((DAEMON_SETS, agent, NS), (DEPLOYMENTS, ctl, NS), (R.SERVICE_ACCOUNTS, agent, NS),
+                          (R.SERVICE_ACCOUNTS, ctl, NS), (R.CLUSTER_ROLES, agent, None), (R.CLUSTER_ROLES, ctl, None),
+                          (R.ROLES, f"{ctl}-leader-election", NS)):
+        try:
+            await env.api.get(res, name, namespace=ns)
+            out[f"{res.kind} {name}"] = True
+        except NotFound:
+            out[f"{res.kind} {name}"] = False
+    return out
+
+
+async def test_an_uninstall_whose_hook_cannot_wake_a_sleeper_stops_with_everything_installed(env: Env) -> None:
+    """(Moved from the sandbox's test_helm.py, where processes played the hook's Job and kubelet.) A worker
+    asleep and the agent's pod off the node (its DaemonSet kept off it): ``helm uninstall`` runs the chart's
+    pre-delete hook, a Job the real Job controller and kubelet run from the controller image under the
+    hook's own service account; its ``dynsnap wake --all`` cannot get the worker woken, exits 3 when its
+    time is up, the Job fails and helm stops there: the DaemonSet, the Deployment and their identities
+    still installed, the release ``uninstalling`` (an upgrade refused until a rollback). The agent, back,
+    wakes the worker (the override the hook set stands) and the controller verifies it."""
+    values = copy.deepcopy(env.values)
+    values.setdefault("uninstall", {})["timeout"] = HOOK_TIMEOUT
+    await upgrade(env, values)
+    w = _sleeper(env)
+    woken_before = await _asleep_by_override(env, w)
+    async with agent_off_node(env):
+        code, out = await env.helm.run("uninstall", RELEASE, "-n", NS, "--timeout", f"{HOOK_TIMEOUT + 120}s")
+        assert code != 0 and f"job {HOOK_JOB} failed" in out, out
+        failed = await env.api.get(JOBS, HOOK_JOB, namespace=NS)  # kept, for its log
+        assert any(c["type"] == "Failed" and c["status"] == "True" for c in failed["status"]["conditions"]), failed
+        (hook,) = (await env.api.list(R.PODS, namespace=NS, label_selector=f"job-name={HOOK_JOB}"))["items"]
+        assert hook["spec"]["nodeName"] == env.node.name
+        assert hook["spec"]["serviceAccountName"] == f"{RELEASE}-uninstall"
+        (cs,) = hook["status"]["containerStatuses"]
+        assert cs["state"]["terminated"]["exitCode"] == 3, cs  # not done within its timeout
+        log = await env.pod_log(NS, hook["metadata"]["name"], "wake-all")
+        assert f"not done in {HOOK_TIMEOUT}s: {w.namespace}/{w.name}" in log, log
+        assert all((await _release_objects(env)).values()), await _release_objects(env)
+        ws = await get_ws(env.api, w)
+        assert ws is not None and ws["status"]["state"] == "Suspended", ws  # asleep, its agent still installed
+        # The release is left "uninstalling": an upgrade is refused until a rollback makes it deployed again
+        # (docs/install.md says so).
+        code, out = await env.helm.run("status", RELEASE, "-n", NS, "-o", "json")
+        assert code == 0 and json.loads(out)["info"]["status"] == "uninstalling", out
+        code, out = await env.helm.run("upgrade", RELEASE, str(chart_node.CHART), "-n", NS, "--reuse-values")
+        assert code != 0 and "has no deployed releases" in out, out
+        code, out = await env.helm.run("rollback", RELEASE, "-n", NS)
+        assert code == 0, out
+        code, out = await env.helm.run("status", RELEASE, "-n", NS, "-o", "json")
+        assert code == 0 and json.loads(out)["info"]["status"] == "deployed", out
+    # The agent's pod is back on the node: it wakes the worker (the hook's override, active), verified.
+    ws = await wait_ws(env, w, "woken by the agent back on the node and verified", verified_after(woken_before))
+    assert ws["spec"]["desiredState"] == "Active" and ws["status"]["lastWake"]["ok"] is True
+
+
+async def test_an_uninstall_wakes_every_sleeper_before_dynsnap_goes(env: Env) -> None:
+    """(Moved from the sandbox's test_helm.py.) The worker asleep again: ``helm uninstall``'s hook wakes
+    it before the agent and the controller go: the agent's wake (its field manager on ``lastWake``) verified
+    by the controller (which only the Deployment's pod can have done), the Job succeeded (helm deleted it),
+    then everything of the release gone but the CRD (helm never deletes crds/), and the woken worker,
+    in the same pod, answering requests pinned to it with dynsnap gone."""
+    assert env.fe is not None
+    w = _sleeper(env)
+    await override(env, w, None)  # the person who uninstalled lifts the hook's override, then suspends it again
+    woken_before = await _asleep_by_override(env, w)
+    code, out = await env.helm.run("uninstall", RELEASE, "-n", NS, "--timeout", f"{HOOK_TIMEOUT + 120}s")
+    assert code == 0 and f'release "{RELEASE}" uninstalled' in out, out
+    ws = await get_ws(env.api, w)
+    assert ws is not None and ws["status"]["state"] == "Active" and ws["spec"]["desiredState"] == "Active", ws
+    wake = ws["status"]["lastWake"]
+    assert wake["id"] != woken_before and wake["ok"] is True
+    assert verified_after(woken_before)(ws), ws["status"].get("controller")
+    by = {m["manager"] for m in ws["metadata"]["managedFields"] if "f:lastWake" in str(m.get("fieldsV1"))}
+    assert by == {P.AGENT_FIELD_MANAGER}, by  # the agent woke it
+    live = await env.api.get(R.PODS, w.name, namespace=w.namespace)
+    assert live["metadata"]["uid"] == w.uid and live["metadata"]["annotations"][P.ANN_DESIRED_STATE] == "active"
+    assert any(m["manager"] == P.CLI_FIELD_MANAGER for m in live["metadata"]["managedFields"])  # the hook's
+    gone = await _release_objects(env)
+    assert not any(gone.values()), gone
+    for res, name, ns in ((JOBS, HOOK_JOB, NS), (R.SERVICE_ACCOUNTS, f"{RELEASE}-uninstall", NS)):
+        with pytest.raises(NotFound):
+            await env.api.get(res, name, namespace=ns)
+    await env.api.get(R.CRDS, f"{P.WS_PLURAL}.{P.DYNSNAP_GROUP}")
+    iid = await own_instance(env.api, w)
+    assert iid is not None
+    await env.fe.wait_routable(iid, timeout=60)
+    answers = [await env.fe.chat(f"after uninstall {i}", worker_id=iid, max_tokens=2) for i in range(3)]
+    assert [(a.status, a.worker_id) for a in answers] == [(200, iid)] * 3, [a.body for a in answers]
