@@ -101,9 +101,10 @@ U_CGROUP = "tests/unit/test_agent_cgroup_check.py::"
 U_CONTAINER = "tests/unit/test_agent_container.py::"
 U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
 U_HELPERS = "tests/unit/test_agent_helpers.py::"
-TRUST = "tests/integration/test_agent_trust.py::"
-NODE_DIR = TRUST + "test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched"
-FORGED = TRUST + "test_a_forged_helper_marker_changes_nothing"
+NODE_REFUSALS = "tests/integration/node/test_agent_refusals.py::"
+NODE_DIR = NODE_REFUSALS + "test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched"
+FORGED = NODE_REFUSALS + "test_a_helper_marker_forged_inside_the_worker_changes_nothing"
+PLANTED = NODE_REFUSALS + "test_a_symlink_planted_at_the_agents_former_temp_name_is_never_followed"
 NODE_TRUST = "tests/integration/node/test_agent_trust.py::"
 TAMPERED = NODE_TRUST + "test_an_unusable_entrypoint_report_in_a_real_container_is_refused_and_nothing_is_touched"
 REFUSED_PEER = NODE_TRUST + "test_the_agent_serves_its_other_workers_while_one_is_refused"
@@ -280,7 +281,7 @@ MUTATIONS = (
         "        tmp = f\".{final}.{secrets.token_hex(16)}\"\n",
         "        tmp = f\".{final}.{os.getpid()}\"\n",
         tests=[U_CONTAINER + "test_replace_writes_through_a_fresh_temp_file_and_leaves_nothing_else",
-               TRUST + "test_a_symlink_planted_at_the_agents_former_temp_name_is_never_followed"]),
+               PLANTED]),
     mutation(
         "control-file-unbounded", "entrypoint.json is read whatever its size", CONTROL,
         "            raw = d.read(P.ENTRYPOINT_CONTROL_FILE, limit=CONTROL_FILE_BOUND)\n",

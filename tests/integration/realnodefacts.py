@@ -115,5 +115,11 @@ def container_pid(pod: Obj, container: str) -> int:
 
 def control_file(entrypoint: int) -> Obj:
     """The worker's entrypoint.json, read through its entrypoint's /proc/<pid>/root."""
-    info: Obj = json.loads((Path(f"/proc/{entrypoint}/root") / "run/dynsnap/entrypoint.json").read_text())
+    return control_file_at(entrypoint, "/run/dynsnap")
+
+
+def control_file_at(entrypoint: int, control_dir: str) -> Obj:
+    """The entrypoint.json in ``control_dir`` of the entrypoint's container (no symlink on the way)."""
+    info: Obj = json.loads((Path(f"/proc/{entrypoint}/root") / control_dir.lstrip("/") / "entrypoint.json")
+                           .read_text())
     return info

@@ -1,14 +1,8 @@
-"""What the trust-boundary tests (test_agent_trust.py) need beyond agentenv.py: mocker workers whose
-entrypoint's control directory is an attacker's choice (a symlink to a node directory, a path with
-``..``), a worker that starts a process carrying the old helper marker inside its own tree, the same
-marker on a process of the node, the control directory of a pod as the node reaches it, files
-compared byte for byte; and, for the real node's suites too, an entrypoint report replaced as its worker
-could, and the refusal it earns.
-
-The pod sandboxes share the node's file system (dynsnap/testenv/sandbox.py), so a node directory a
-symlink or a ``..`` points at is one the entrypoint itself can write: it keeps its control file
-there, and everything works for the worker, exactly as it would in a container whose control
-directory resolved there. What the agent must never do is follow it.
+"""What the trust-boundary tests need beyond agentenv.py and realnodeenv.py: a worker whose entrypoint's
+control directory is an attacker's choice (a symlink to a node directory's path, a path with ``..``,
+made inside a real container: node/test_agent_refusals.py), a worker that starts a process carrying the
+old helper marker inside its own tree, the same marker on a process of the node, files compared byte for
+byte; an entrypoint report replaced as its worker could, and the refusal it earns.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -23,34 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dynsnap.k8s.client import Obj
-from dynsnap.models import protocol as P
 from dynsnap.testenv.cluster import RunningPod
 
-# The entrypoint's log stays on the pod's own emptyDir whatever its control directory is: the node
-# directories below must hold only what the entrypoint and the agent write as control files.
-LOG_FILE = f"{P.ENTRYPOINT_CONTROL_DIR}/worker.log"
 MARKER = "DYNSNAP_OP"  # what agents before issue 18 took for proof that a process was their helper
 
 
 def _main(comp: Obj) -> Obj:
     main: Obj = comp["extraPodSpec"]["mainContainer"]
     return main
-
-
-def with_control_dir(comp: Obj, control_dir: str, *, symlink_to: Path | None = None) -> Obj:
-    """The component's entrypoint started with ``--control-dir control_dir``; with ``symlink_to``,
-    ``control_dir`` is first made, inside the pod's own file system, a symlink to that node directory
-    (as whoever controls the container image or its start could make it)."""
-    main = _main(comp)
-    cmd = list(main["command"])
-    at = cmd.index("--control-dir")
-    cmd[at + 1:at + 2] = [control_dir, "--log-file", LOG_FILE]
-    if symlink_to is not None:
-        # sh execs the entrypoint: it is the container's PID 1, as the agent requires
-        cmd = ["/bin/sh", "-c", f"ln -s {shlex.quote(str(symlink_to))} {shlex.quote(control_dir)} && exec \"$@\"",
-               "sh", *cmd]
-    main["command"] = cmd
-    return comp
 
 
 def with_forged_helper(comp: Obj) -> Obj:
@@ -60,14 +34,30 @@ def with_forged_helper(comp: Obj) -> Obj:
     main = _main(comp)
     cmd = list(main["command"])
     at = cmd.index("--") + 1
-    forge = f'env -u LD_PRELOAD {MARKER}="$POD_UID/criu" sleep infinity & exec "$@"'
-    main["command"] = [*cmd[:at], "/bin/sh", "-c", forge, "launcher", *cmd[at:]]
+    main["command"] = [*cmd[:at], "/bin/sh", "-c", FORGE_IN_TREE, "launcher", *cmd[at:]]
     return comp
 
 
-def control_dir(pod: RunningPod, path: str = P.ENTRYPOINT_CONTROL_DIR) -> Path:
-    """A directory of the pod's container as the node reaches it (no symlink in ``path``)."""
-    return Path(f"/proc/{pod.sandbox.pid}/root") / path.lstrip("/")
+# A worker launcher (``sh -c FORGE_IN_TREE launcher WORKER...``): a ``sleep`` carrying the old helper marker
+# with the pod's UID (POD_UID: the downward API's, as the examples set it) started in the worker's own tree
+# without the stub CUDA driver (no GPU process), then the worker exec'd in the launcher's place.
+FORGE_IN_TREE = f'env -u LD_PRELOAD {MARKER}="$POD_UID/criu" sleep infinity & exec "$@"'
+
+
+def hostile_control_dir(main: Obj, control_dir: str, node_dir: Path, *, symlink: bool) -> Obj:
+    """A real container's ``main`` (examples/dgd's) whose entrypoint is started with ``--control-dir
+    control_dir`` by a launcher that first makes ``node_dir`` inside the container's own file system (the
+    same absolute path as a directory of the node: the one a naive agent would reach) and, with
+    ``symlink``, ``control_dir`` a symlink to it (as whoever controls the container's image or start
+    could). ``sh`` execs the entrypoint: it stays the container's PID 1, as the agent requires."""
+    cmd = list(main["command"])
+    at = cmd.index("--control-dir")
+    cmd[at + 1] = control_dir
+    prep = f"mkdir -p {shlex.quote(str(node_dir))}"
+    if symlink:
+        prep += f" && ln -s {shlex.quote(str(node_dir))} {shlex.quote(control_dir)}"
+    main["command"] = ["/bin/sh", "-c", prep + ' && exec "$@"', "sh", *cmd]
+    return main
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -108,8 +98,12 @@ def start_ticks(pid: int) -> int | None:
 
 def marked_in_pod(pod: RunningPod) -> list[int]:
     """Host pids of the pod's processes that carry the marker with the pod's UID."""
-    ns = pod.sandbox.pid_namespace
-    want = f"{MARKER}={pod.uid}/".encode()
+    return marked_in(pod.sandbox.pid_namespace, pod.uid)
+
+
+def marked_in(ns: int, uid: str) -> list[int]:
+    """Host pids of the processes of pid namespace ``ns`` that carry the marker with ``uid``."""
+    want = f"{MARKER}={uid}/".encode()
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

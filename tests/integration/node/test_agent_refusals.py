@@ -19,12 +19,21 @@ the serving gate), as the sandbox suite did; scaled back to 1 after.
   WorkerSnapshot is not rewritten however often the agent scrapes it.
 - A worker's ``entrypoint.json`` overwritten and then put right inside its container, with nothing
   else changing: the agent refuses it, then accepts it, by looking again on its own.
+- What a pod author controls inside the container (issue 18, moved from the sandbox's
+  test_agent_trust.py): two more pods of the graph's worker spec whose launcher gives the entrypoint a
+  control directory that is a symlink to a node directory's path, or reaches it through ``..``
+  (refused ``UnsafeContainerPath``, the node directory untouched); a symlink planted in a worker's
+  control-directory emptyDir at an agent's former temp name (never followed); and the graph's workers
+  started by a launcher that forges the old helper marker in their own tree (nothing waits for it or
+  kills it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -34,8 +43,8 @@ from pathlib import Path
 import pytest
 from controllerenv import cond, history
 from realnodecycle import pinned, state_is, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, chart_pod, scale_controller
-from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
+from realnodeenv import WORKER_COMPONENT, Env, chart_pod, launched_by, scale_controller
+from realnodefacts import container_pid, container_procs, control_file_at, kubelet_facts, stub_state
 from refusalenv import (
     StreamedChat,
     connections_to,
@@ -49,7 +58,7 @@ from refusalenv import (
     wait_ws_at,
     worker_metrics,
 )
-from trustenv import refused, replace_report
+from trustenv import FORGE_IN_TREE, hostile_control_dir, marked_in, refused, replace_report, start_ticks, tree_bytes
 
 from dynsnap.agent.idle import INFLIGHT, REQUESTS
 from dynsnap.k8s.client import Obj
@@ -57,6 +66,7 @@ from dynsnap.k8s.errors import Conflict, NotFound
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
+from dynsnap.runtime import procfs
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv.cluster import NODES, TEST_NAMESPACE, wait_for
 from dynsnap.testenv.real_graph import Graph, NodePod
@@ -75,6 +85,8 @@ class Alone:
     graph: Graph
     bare: NodePod  # gated (dynsnap.io/serving) but not under dynsnap-entrypoint
     kwok: NodePod  # a pod of a kwok node
+    hostile: dict[str, NodePod]  # CONTROL_DIRS case -> a worker whose control directory leads to a node path
+    node_dirs: dict[str, Path]  # CONTROL_DIRS case -> that directory of the node
 
     def worker(self, i: int) -> NodePod:
         return self.graph.workers(WORKER_COMPONENT)[i]
@@ -89,6 +101,27 @@ def _pod(env: Env, name: str, *, node: str, gated: bool) -> Obj:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": TEST_NAMESPACE}, "spec": spec}
 
 
+# The control directory a worker's container gives its entrypoint, leading to a node directory's path:
+# case -> (made a symlink to it?, the agent's message). {dir} is that node directory.
+CONTROL_DIRS = {
+    "symlinked": (True, f"{P.ENTRYPOINT_CONTROL_DIR}/ctl", f"{P.ENTRYPOINT_CONTROL_DIR}/ctl is a symlink"),
+    "dotdot": (False, f"{P.ENTRYPOINT_CONTROL_DIR}/../..{{dir}}", "it has a '..' component"),
+}
+
+
+def _hostile_pod(live: Obj, name: str, case: str, node_dir: Path) -> Obj:
+    """A copy of the worker pod ``live`` (its spec, labels: the same graph's Service, so the frontend
+    routes to it once Ready) named ``name``, owned by nobody, whose entrypoint's control directory is
+    CONTROL_DIRS[case] (trustenv.hostile_control_dir): what a pod author could deploy."""
+    symlink, control, _ = CONTROL_DIRS[case]
+    spec = copy.deepcopy(live["spec"])
+    main = next(c for c in spec["containers"] if c["name"] == "main")
+    hostile_control_dir(main, control.format(dir=node_dir), node_dir, symlink=symlink)
+    meta = live["metadata"]
+    return {"apiVersion": "v1", "kind": "Pod", "spec": spec,
+            "metadata": {"name": name, "namespace": meta["namespace"], "labels": dict(meta.get("labels") or {})}}
+
+
 async def _running(env: Env, name: str) -> NodePod:
     async def up() -> Obj | None:
         p = await env.api.get(R.PODS, name, namespace=TEST_NAMESPACE)
@@ -99,12 +132,13 @@ async def _running(env: Env, name: str) -> NodePod:
 
 
 @pytest.fixture(scope="module")
-async def alone(env: Env) -> AsyncIterator[Alone]:
-    body = chart_node.example_body(env, name="rfs", worker_replicas=2, speedup_ratio=SLOW,
-                                   policy={"dynsnap.io/tier": "suspend"})
+async def alone(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Alone]:
+    body = launched_by(chart_node.example_body(env, name="rfs", worker_replicas=2, speedup_ratio=SLOW,
+                                               policy={"dynsnap.io/tier": "suspend"}), FORGE_IN_TREE)
     graph = await chart_node.deploy_example(env, body)
     extra = {"rfs-bare": _pod(env, "rfs-bare", node=env.node.name, gated=True),
              "rfs-kwok": _pod(env, "rfs-kwok", node=NODES[0], gated=False)}
+    node_dirs = {case: tmp_path_factory.mktemp(f"rfs-node-{case}") for case in CONTROL_DIRS}
     try:
         with contextlib.suppress(Conflict):
             await env.api.create(R.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace",
@@ -114,7 +148,16 @@ async def alone(env: Env) -> AsyncIterator[Alone]:
         bare, kwok = [await _running(env, n) for n in extra]
         # The controller made each worker's WorkerSnapshot and set its gate; now nobody but the test does.
         await scale_controller(env, 0)
-        yield Alone(graph, bare, kwok)
+        live = await env.api.get(R.PODS, graph.workers(WORKER_COMPONENT)[0].name, namespace=TEST_NAMESPACE)
+        hostile = {}
+        for case, node_dir in node_dirs.items():
+            # A file of the node where the agent, following the container's path on the node, would look.
+            (node_dir / P.ENTRYPOINT_CONTROL_FILE).write_bytes(b'{"format": 1, "state": "active"}')
+            name = f"rfs-{case}"
+            extra[name] = _hostile_pod(live, name, case, node_dir)
+            await env.api.create(R.PODS, extra[name])
+            hostile[case] = await _running(env, name)
+        yield Alone(graph, bare, kwok, hostile, node_dirs)
     except BaseException:
         print(await chart_node.graph_logs(env, graph))
         raise
@@ -156,13 +199,15 @@ class Look:
         return cls(facts.container_id, container_procs(pod.uid, facts.container_id).root)
 
 
-def untouched(env: Env, pods: dict[NodePod, Look], mark: int) -> None:
-    """Nothing was done to ``pods``: the same process runs each under an active entrypoint, its driver
-    state running; no driver call changed a state since ``mark``; no image of theirs on the node."""
+def untouched(env: Env, pods: dict[NodePod, Look], mark: int, *, control_dir: str = P.ENTRYPOINT_CONTROL_DIR
+              ) -> None:
+    """Nothing was done to ``pods``: the same process runs each under an active entrypoint (its control
+    file, in ``control_dir`` of its container, says so), its driver state running; no driver call changed
+    a state since ``mark``; no image of theirs on the node."""
     for pod, look in pods.items():
         procs = container_procs(pod.uid, look.container_id)
         assert procs.root == look.root, f"{pod.name}: another worker process"
-        info = control_file(procs.entrypoint)
+        info = control_file_at(procs.entrypoint, control_dir)
         assert info["state"] == P.EntrypointState.ACTIVE.value and info["worker_alive"] is True, info
         assert stub_state(env.driver, look.root) == RUNNING
     assert state_changes_since(env.driver, mark) == []
@@ -244,6 +289,95 @@ async def test_the_agent_refuses_a_spec_naming_the_wrong_pod_and_changes_nothing
         await env.cluster.wait_ready(pod.namespace, pod.name, timeout=60)
         await pinned(env, pod, n=1)
     untouched(env, looks, mark)
+
+
+# -- paths and markers inside the container (issue 18; moved from the sandbox's test_agent_trust.py) --------
+
+@pytest.mark.parametrize("case", list(CONTROL_DIRS))
+async def test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched(
+        env: Env, alone: Alone, case: str) -> None:
+    """A worker whose container gives its entrypoint a control directory that is a symlink to a node
+    directory's path, or reaches it through ``..``: refused (``Accepted=False UnsafeContainerPath``), also
+    once it is out of serving and asked to sleep; the node directory byte for byte as it was (no state
+    request, nothing written), no driver call changing a state; the worker serves on, untouched (its own
+    control file, inside its container, still says active)."""
+    pod, node_dir = alone.hostile[case], alone.node_dirs[case]
+    says = CONTROL_DIRS[case][2]
+    before = tree_bytes(node_dir)
+    look = await Look.of(env, pod)
+    mark = len(env.driver.calls())
+    created = await env.api.create(R.WORKER_SNAPSHOTS, hostile_ws(
+        name=pod.name, namespace=pod.namespace, node=env.node.name, pod_name=pod.name, pod_uid=pod.uid,
+        tier="suspend"))
+    try:
+        check = refused(P.Reason.UNSAFE_CONTAINER_PATH.value, says)
+        ws = await wait_ws(env, pod, "refused", lambda ws: bool(ws and observed(created["metadata"]["generation"])(
+            ws) and check(ws)), timeout=90)
+        await gate(env, pod, False)
+        patched = await set_desired(env, pod, "Suspended")
+        ws = await wait_ws(env, pod, "Suspended refused", lambda ws: bool(ws and observed(
+            patched["metadata"]["generation"])(ws) and check(ws)), timeout=90)
+        assert "lastCapture" not in ws["status"] and "lastError" not in ws["status"], ws["status"]
+        assert tree_bytes(node_dir) == before, "the agent wrote into the node directory"
+        assert P.ENTRYPOINT_REQUEST_FILE not in os.listdir(node_dir)
+        untouched(env, {pod: look}, mark, control_dir=str(node_dir))
+    finally:
+        with contextlib.suppress(NotFound):
+            await env.api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+        await gate(env, pod, True)
+    await pinned(env, pod, n=1)  # the worker serves on
+    untouched(env, {pod: look}, mark, control_dir=str(node_dir))
+
+
+async def test_a_symlink_planted_at_the_agents_former_temp_name_is_never_followed(
+        env: Env, alone: Alone, tmp_path: Path) -> None:
+    """A symlink to a file of the node planted in the worker's control directory at the name agents
+    before issue 18 wrote its state request through (``.state-request.<the agent's pid>``): the capture
+    and the wake go on, the file of the node is as it was, the symlink too, and the agent's temp files are
+    gone (nothing else appeared)."""
+    pod = alone.worker(1)
+    agent_pid = container_pid(await chart_pod(env, "agent"), "agent")
+    ctl = (env.node.layout.kubelet_root / "pods" / pod.uid / "volumes" / "kubernetes.io~empty-dir" /
+           "dynsnap-control")  # the control-directory emptyDir, as kubelet keeps it on the node
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"a file of the node\n")
+    planted = ctl / f".{P.ENTRYPOINT_REQUEST_FILE}.{agent_pid}"
+    planted.symlink_to(victim)
+    look = await Look.of(env, pod)
+    try:
+        await gate(env, pod, False)
+        await set_desired(env, pod, "Suspended")
+        await sleep_then_wake(env, pod, look)
+        assert victim.read_bytes() == b"a file of the node\n", "the agent wrote through the planted symlink"
+        assert os.readlink(planted) == str(victim)
+        left = sorted(os.listdir(ctl))
+        assert left == sorted([P.ENTRYPOINT_CONTROL_FILE, P.ENTRYPOINT_REQUEST_FILE, planted.name, "worker.log"]), \
+            f"the agent's temp files are gone, nothing else appeared: {left}"
+    finally:
+        planted.unlink(missing_ok=True)
+        await release(env, pod)
+
+
+async def test_a_helper_marker_forged_inside_the_worker_changes_nothing(env: Env, alone: Alone) -> None:
+    """The worker's launcher started a process in its own tree carrying ``DYNSNAP_OP=<its pod UID>/criu``
+    (trustenv.FORGE_IN_TREE): captured and woken, no step waits for a helper and the process is never
+    killed (the same start time)."""
+    pod = alone.worker(1)
+    look = await Look.of(env, pod)
+    ns = procfs.pid_ns(container_procs(pod.uid, look.container_id).entrypoint)
+    assert ns is not None
+    forged = {pid: start_ticks(pid) for pid in marked_in(ns, pod.uid)}
+    assert len(forged) == 1, f"the worker's own forged helper runs in its tree: {forged}"
+    try:
+        await gate(env, pod, False)
+        await set_desired(env, pod, "Suspended")
+        await sleep_then_wake(env, pod, look)  # the capture's steps: quiesce, save, settle-suspended
+        ws = await wait_ws(env, pod, "Active", state_is("Active", suspended=False), timeout=60)
+        assert [s["name"] for s in ws["status"]["lastWake"]["steps"]] == ["wake", "resume", "settle-active"], \
+            ws["status"]["lastWake"]
+        assert {pid: start_ticks(pid) for pid in forged} == forged, "a forged process was killed"
+    finally:
+        await release(env, pod)
 
 
 # -- the serving guard ---------------------------------------------------------------------------------
