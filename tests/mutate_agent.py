@@ -102,7 +102,8 @@ U_CONTAINER = "tests/unit/test_agent_container.py::"
 U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
 U_HELPERS = "tests/unit/test_agent_helpers.py::"
 NODE_REFUSALS = "tests/integration/node/test_agent_refusals.py::"
-NODE_DIR = NODE_REFUSALS + "test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched"
+NODE_DIR = (NODE_REFUSALS
+            + "test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched")
 FORGED = NODE_REFUSALS + "test_a_helper_marker_forged_inside_the_worker_changes_nothing"
 PLANTED = NODE_REFUSALS + "test_a_symlink_planted_at_the_agents_former_temp_name_is_never_followed"
 NODE_TRUST = "tests/integration/node/test_agent_trust.py::"
