@@ -101,7 +101,8 @@ async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
     ctl_pid = container_pid(ctl, "controller")
     ctl_sec = security(ctl_pid)
     assert ctl_sec["CapEff"] == "0000000000000000" and ctl_sec["NoNewPrivs"] == "1" and ctl_sec["Seccomp"] == "2"
-    # As the image's own user (not the chart's securityContext's choice alone) on a read-only root.
+    # As uid and gid 65532 (the chart's restricted pod securityContext, the image's own user too) on a
+    # read-only root filesystem.
     status = dict(line.split(":\t", 1) for line in Path(f"/proc/{ctl_pid}/status").read_text().splitlines()
                   if ":\t" in line)
     assert status["Uid"].split() == status["Gid"].split() == [str(CONTROLLER_UID)] * 4, status
@@ -110,8 +111,7 @@ async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
     assert agent["spec"]["containers"][0]["securityContext"] == {"privileged": True}
     assert security(container_pid(agent, "agent"))["Seccomp"] == "0"  # privileged: unconfined
     # The node tools the init container put on the node are the image's CRIU, with dynsnap's patches,
-    # its CUDA plugin and dynsnap-cuda (under the name the plugin execs), each executable by root only
-    # through the node directory the chart mounts.
+    # its CUDA plugin and dynsnap-cuda (also under the name the plugin execs), byte for byte, mode 0755.
     agent_img = OciImage.load(image_layout("dynsnap-agent"))
     tools = env.paths.tools
     for node_path, image_path in (("bin/criu", "usr/local/sbin/criu"),
