@@ -1,8 +1,9 @@
 """A woken worker that is no longer the one the frontend knows ends ``Verified=False DwmChanged`` and is
-never put back into serving, while its peer answers the unpinned traffic: the controller never takes
-"the agent says Active" for proof. On the real node (kubelet, containerd, runc; dynsnap installed by
+never put back into serving, and one that cannot answer ends ``Verified=False PinnedRequestFailed``,
+while its peer answers the unpinned traffic: the controller never takes "the agent says Active" (nor an
+answer through the frontend) for proof. On the real node (kubelet, containerd, runc; dynsnap installed by
 ``helm install``: realnodeenv.py), each case its own graph of examples/dgd/agg.yaml under the local
-overlay (moved from the sandbox suite test_controller_false_wake.py, which keeps the frozen worker).
+overlay (moved from the sandbox suite test_controller_false_wake.py, now gone).
 
 Two workers, ``min-active: 1``, tier suspend, ``on-failed-wake: none``: idleness puts one to sleep;
 while it sleeps its DWM (the record Dynamo's frontend routes by, which the worker wrote itself) is
