@@ -10,8 +10,12 @@ Not collected by pytest (no ``test_`` prefix).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,3 +127,27 @@ def control_file_at(entrypoint: int, control_dir: str) -> Obj:
     info: Obj = json.loads((Path(f"/proc/{entrypoint}/root") / control_dir.lstrip("/") / "entrypoint.json")
                            .read_text())
     return info
+
+
+def _state(pid: int) -> str:
+    st = procfs.status(pid)
+    return st.state if st is not None else "gone"
+
+
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[list[int]]:
+    """``pids`` stopped (SIGSTOP) for the block, each seen stopped (or gone, or a zombie) before it starts:
+    a stop is delivered, not done, by kill() (bounded: 10 s); continued (SIGCONT) after, those still there.
+    They answer nothing meanwhile and their connections stay open (requests to them time out)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while not all(_state(p) in ("T", "Z", "X", "gone") for p in pids):
+            assert time.monotonic() < deadline, [(p, _state(p)) for p in pids]
+            time.sleep(0.05)
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

@@ -39,17 +39,14 @@ keeps a hung worker for minutes: the case the controller must catch by itself.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 from controllerenv import Load, cond, events_for, gate_of, history, one_asleep, policy, wait_verdict
 from realnodeenv import WORKER_COMPONENT, Env, component_policy, controller_through_proxy, deployed, worker_main
-from realnodefacts import container_procs, kubelet_facts
+from realnodefacts import container_procs, kubelet_facts, stopped
 
 from dynsnap.k8s.client import Obj
 from dynsnap.k8s.errors import NotFound
@@ -182,31 +179,6 @@ def worker_pids(pod: NodePod, container_id: str) -> list[int]:
     return list(container_procs(pod.uid, container_id).tree)
 
 
-def state_of(pid: int) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("State:"):
-            return line.split()[1]
-    return "?"
-
-
-@contextlib.contextmanager
-def frozen(pids: list[int]) -> Iterator[None]:
-    """``pids`` stopped (SIGSTOP) for the block, continued after (those still there)."""
-    assert pids, "no worker process under the entrypoint"
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + 10
-        while not all(state_of(p) == "T" for p in pids):  # a stop is delivered, not done, by kill()
-            assert time.monotonic() < deadline, [(p, state_of(p)) for p in pids]
-            time.sleep(0.05)
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
 async def replace_pod(env: Env, pod: NodePod) -> str:
     """The pod gone and another in its place under the same name (the operator's replacement, as the
     API server sees it: a new UID; its image is never pulled, nothing of it runs). Returns the new UID."""
@@ -249,7 +221,7 @@ async def test_a_wake_that_does_not_serve_is_not_verified_while_the_peer_serves(
             async with contextlib.AsyncExitStack() as stack:
                 pods = await stack.enter_async_context(history(env.api, R.PODS, pod))
                 wss = await stack.enter_async_context(history(env.api, R.WORKER_SNAPSHOTS, pod))
-                stack.enter_context(frozen(worker_pids(pod, first.container_id)))
+                stack.enter_context(stopped(worker_pids(pod, first.container_id)))
                 if case == "frozen-replaced":
                     # The controller's fallback delete is held at the API server's door until the pod is replaced.
                     proxy.add(Fault("stall", method="DELETE",

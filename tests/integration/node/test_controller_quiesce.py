@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import pytest
@@ -49,7 +47,7 @@ from realnodeenv import (
     deployed,
     instance_id,
 )
-from realnodefacts import container_pid
+from realnodefacts import container_pid, stopped
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -226,21 +224,11 @@ async def test_no_capture_while_the_frontend_still_routes_to_the_worker(env: Env
         await captured_after_all_steps(env, pod)
 
 
-@contextlib.contextmanager
-def stopped(pod: Obj, container: str) -> Iterator[list[int]]:
-    """Every process of the pod's ``container`` stopped (SIGSTOP) for the block: it answers nothing,
-    its connections stay open (requests to it time out), then it carries on (SIGCONT)."""
+def container_stopped(pod: Obj, container: str) -> contextlib.AbstractContextManager[list[int]]:
+    """Every process of the pod's ``container`` stopped for the block (realnodefacts.stopped)."""
     ns = procfs.pid_ns(container_pid(pod, container))
     assert ns is not None, f"{pod['metadata']['name']}: not running"
-    pids = [int(p.pid) for p in procfs.in_pid_ns(ns)]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield pids
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+    return stopped([int(p.pid) for p in procfs.in_pid_ns(ns)])
 
 
 def counted(events: list[Obj], reason: str) -> int:
@@ -265,7 +253,7 @@ async def test_no_capture_while_the_frontend_cannot_say_it_stopped_routing(env: 
             await wait_for(f"{pod.name} woken and verified", woken, timeout=120, interval=0.3)
             frontend = await env.api.get(R.PODS, g.frontend.name, namespace=g.frontend.namespace)
             async with history(env.api, R.WORKER_SNAPSHOTS, pod) as since_stopped:
-                with stopped(frontend, "main"):
+                with container_stopped(frontend, "main"):
                     await suspend_by_hand(env, pod)
                     # The endpoint goes not ready (the controller sees it), but the frontend answers
                     # nothing: a timeout is no refusal, so no capture, and the quiesce ends at its deadline.
