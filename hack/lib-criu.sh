@@ -18,6 +18,9 @@ CRIU_BUILD_DEPS=(
   libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
 )
+# The tests' fake_slow_criu is a copy of this CRIU with one library more (patchelf --add-needed):
+# needed whether CRIU is built now or cached.
+CRIU_TEST_DEPS=(patchelf)
 
 # The patches, and why each (docs/CRIU_PATCHES.md):
 #   0001  a private anonymous VMA marked MADV_HUGEPAGE gets the mark before the restorer
@@ -41,15 +44,15 @@ export DYNSNAP_CRIU="$DYNSNAP_CRIU_DIR/sbin/criu"
 
 _criu_apt_deps() {
   local missing=() p
-  for p in "${CRIU_BUILD_DEPS[@]}"; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
   done
   [[ ${#missing[@]} -eq 0 ]] && return 0
-  [[ $EUID -eq 0 ]] || die "criu: missing build packages (${missing[*]}); install them or run setup as root"
+  [[ $EUID -eq 0 ]] || die "criu: missing packages (${missing[*]}); install them or run setup as root"
   log "criu: apt-get install ${missing[*]}"
   apt-get update -qq >&2 || die "apt-get update failed"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 \
-    || die "apt-get install of CRIU build packages failed"
+    || die "apt-get install of CRIU's packages failed"
 }
 
 # Fetches criu_$CRIU_VERSION.orig.tar.xz into $CACHE/src through apt, from a
@@ -89,12 +92,13 @@ _criu_fetch_orig() {
 
 setup_criu() {
   local out="$DYNSNAP_CRIU_DIR"
+  _criu_apt_deps "${CRIU_TEST_DEPS[@]}"
   if [[ -x "$out/sbin/criu" && -f "$out/lib/criu/cuda_plugin.so" ]]; then
     log "criu $CRIU_VERSION: cached"; return 0
   fi
   local t0=$SECONDS
   log "criu $CRIU_VERSION: building (cold: ~1-2 min on 2 cores)"
-  _criu_apt_deps
+  _criu_apt_deps "${CRIU_BUILD_DEPS[@]}"
   _criu_fetch_orig
   local src="$CACHE/src/criu-$CRIU_VERSION"
   rm -rf "$src" "$out.tmp"

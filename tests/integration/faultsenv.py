@@ -2,8 +2,7 @@
 their tree (faults_launcher.py), the node facts every fault test checks afterwards (entrypoint state,
 each GPU process's state in the stub driver, no stopped process, images on disk), and the faults
 the tests cause from outside: a debugger attached to the worker, an io_uring ring passed into it, a
-pid of the pod's namespace taken, a CRIU held at its exit
-(fake_held_criu).
+pid of the pod's namespace taken.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -14,11 +13,9 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +29,6 @@ from dynsnap.testenv.cluster import RunningPod
 
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "faults_launcher.py"
-HELD_CRIU = HERE / "fake_held_criu"
 
 
 def fault_worker(name: str, driver: StubDriver, *, launcher: list[str] | None = None,
@@ -219,33 +215,3 @@ def occupy_pid(pod: RunningPod, ns_pid: int) -> int:
     """A sleeping process at in-namespace pid ``ns_pid`` of the pod (:func:`occupy_ns_pid`)."""
     return occupy_ns_pid(pod.sandbox.pid, ns_pid, mount_ns=True)
 
-
-@dataclass
-class HeldCriu:
-    """fake_held_criu, copied into a work directory (its control files live next to it)."""
-
-    path: Path
-
-    @classmethod
-    def install(cls, work: Path) -> HeldCriu:
-        dest = work / HELD_CRIU.name
-        shutil.copy2(HELD_CRIU, dest)
-        (work / (HELD_CRIU.name + ".d")).mkdir(exist_ok=True)
-        return cls(dest)
-
-    @property
-    def dir(self) -> Path:
-        return self.path.parent / (self.path.name + ".d")
-
-    def hold(self, uid: str) -> None:
-        (self.dir / "release").unlink(missing_ok=True)
-        (self.dir / f"hold-{uid}").touch()
-
-    def release(self) -> None:
-        (self.dir / "release").touch()
-        for f in self.dir.glob("hold-*"):
-            f.unlink()
-
-    def log(self) -> list[str]:
-        f = self.dir / "log"
-        return f.read_text().splitlines() if f.exists() else []

@@ -2,7 +2,7 @@
 step and start another: the agent killed and reaped, a helper an agent started found by what it
 is (helperprocs.py), the worker's entrypoint held (SIGSTOP) so it cannot acknowledge a request, the
 entrypoint's control files read through /proc/<pid>/root (a sandbox's PID 1 or a real container's,
-by its host pid), and the ``fake_slow_criu`` wrapper that holds a dump or a restore in flight.
+by its host pid), and the slow CRIU (``fake_slow_criu``) that holds a dump or a restore in flight.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,23 +106,38 @@ async def wait_ack(pid1: int, seq: int, state: str, *, timeout: float = 30) -> d
 
 # -- the slow CRIU --------------------------------------------------------------------------
 
+FAKE_SLOW_CRIU_SRC = HERE.parent / "native" / "fake_slow_criu" / "fake_slow_criu.c"
+FAKE_SLOW_CRIU_ENV = "DYNSNAP_FAKE_SLOW_CRIU"  # its control directory, a path in the worker's container
+FAKE_SLOW_CRIU_DIR = "/run/dynsnap/fake-slow-criu"  # in the control-directory emptyDir of the example's worker
+
+
+def build_slow_criu(workdir: Path) -> Path:
+    """A copy of the real CRIU (``$DYNSNAP_CRIU``) that loads libfake_slow_criu.so (see its source's
+    header), both in ``workdir``; its path, for the agent's ``--criu`` with
+    ``FAKE_SLOW_CRIU_ENV=FAKE_SLOW_CRIU_DIR`` in the agent's environment."""
+    lib = workdir / "libfake_slow_criu.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", str(lib),
+                    str(FAKE_SLOW_CRIU_SRC)], check=True)
+    criu = workdir / "criu"
+    shutil.copyfile(os.environ["DYNSNAP_CRIU"], criu)
+    criu.chmod(0o755)
+    # One change a run: patchelf 0.14 given both at once took the library's name for the RUNPATH.
+    subprocess.run(["patchelf", "--add-rpath", str(workdir), str(criu)], check=True)
+    subprocess.run(["patchelf", "--add-needed", lib.name, str(criu)], check=True)
+    return criu
+
+
 @dataclass(frozen=True)
 class SlowCriu:
-    """The test's copy of ``fake_slow_criu`` (see its header) and its control directory."""
+    """fake_slow_criu's control directory in one worker's container, as the node reaches it
+    (``/proc/<its entrypoint>/root``, the container's PID 1, there as long as the container is)."""
 
-    path: Path
-
-    @property
-    def dir(self) -> Path:
-        return self.path.parent / "fake_slow_criu.d"
+    dir: Path
 
     @classmethod
-    def install(cls, workdir: Path) -> SlowCriu:
-        path = workdir / "fake_slow_criu"
-        shutil.copyfile(HERE / "fake_slow_criu", path)
-        path.chmod(0o755)
-        c = cls(path)
-        c.dir.mkdir(exist_ok=True)
+    def at(cls, entrypoint: int) -> SlowCriu:
+        c = cls(Path(f"/proc/{entrypoint}/root") / FAKE_SLOW_CRIU_DIR.lstrip("/"))
+        c.dir.mkdir(mode=0o700, exist_ok=True)
         c.reset()
         return c
 

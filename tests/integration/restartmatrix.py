@@ -1,8 +1,7 @@
 """The node agent killed in the middle of every step of a capture and of a wake (issue 8's fault
 matrix, first row), wherever the worker runs: SIGKILL (no cleanup of any kind) while that step is in
-flight, a new agent started for the node, and the worker consistent afterwards. The real node runs
-the rows a real container allows (node/test_agent_restart.py); the sandbox, those that hold CRIU in
-flight (test_agent_restart.py).
+flight, a new agent started for the node, and the worker consistent afterwards, in its real
+container on the real node (node/test_agent_restart.py runs every row).
 
 Each row holds one step in flight by a fault that changes no product behaviour:
 
@@ -14,8 +13,8 @@ Each row holds one step in flight by a fault that changes no product behaviour:
   on, so the new agent must wait for it. In the ``-helper-killed`` rows the helper dies too (a
   crash could do that; a reboot of the agent pod would not): the new agent finds the GPU
   processes locked (or still checkpointed) with nothing running for them;
-- a CRIU dump or restore: the agent's ``--criu`` is ``fake_slow_criu``, which holds the real CRIU
-  back before it starts (``dump``, ``restore``) or after it exited (``seal``, ``restore-exited``:
+- a CRIU dump or restore: the agent's ``--criu`` is the real CRIU with ``fake_slow_criu`` loaded,
+  which holds its main() back (``dump``, ``restore``) or its exit (``seal``, ``restore-exited``:
   the dump or restore is complete, the agent never learnt it).
 
 Every row ends with the same checks (:func:`run_row`): the WorkerSnapshot says what happened (state,
@@ -86,16 +85,6 @@ class Row:
     def snapshot(self) -> bool:
         return self.tier == "snapshot"
 
-    @property
-    def stops_entrypoint(self) -> bool:
-        return self.step in ("quiesce", "wake") or self.step.startswith("settle-")
-
-    @property
-    def holds_criu(self) -> bool:
-        """The row holds CRIU itself in flight (fake_slow_criu: a wrapper script that runs the real CRIU by
-        its node path, which resolves only where the worker shares the node's file system)."""
-        return self.step in ("dump", "seal", "restore", "restore-exited", "settle-snapshotted")
-
 
 BOTH = ("suspend", "snapshot")
 ROWS = [
@@ -151,13 +140,13 @@ class Container:
 
 class Rig(Protocol):
     """Where the rows run: one worker, the one agent of its node (an AgentProc, killed and started again
-    in every row), the stub driver its GPU processes map, and (rows that hold CRIU) fake_slow_criu."""
+    in every row), the stub driver its GPU processes map, and the slow CRIU's control directory."""
 
     api: Kube
     pod: PodOnNode
     agent: AgentProc
     driver: StubDriver
-    criu: SlowCriu | None
+    criu: SlowCriu
     wid: int  # the worker's Dynamo instance id
 
     @property
@@ -358,7 +347,6 @@ async def killed_at_settle(rig: Rig, row: Row) -> None:
     state = {"settle-suspended": "suspended", "settle-snapshotted": "snapshotted",
              "settle-active": "active"}[row.step]
     if row.step == "settle-snapshotted":
-        assert rig.criu is not None, "the row holds CRIU"
         dump_started = _started(rig.criu, "dump")
         rig.criu.hold("dump", "before")
     else:
@@ -374,8 +362,7 @@ async def killed_at_settle(rig: Rig, row: Row) -> None:
         assert ep_info(pid1)["state"] == ("restoring" if row.op == "wake" else "suspending"), \
             "stopped before the step ahead of the settle was over"
         unhang(rig.driver)
-        if rig.criu is not None:
-            rig.criu.release()
+        rig.criu.release()
         seq = await wait_request(pid1, acked, state)
         await kill_agent(rig.agent)
         assert int(ep_info(pid1)["request_seq"] or 0) == acked, "the settle request was still unanswered"
@@ -425,7 +412,6 @@ async def killed_in_helper(rig: Rig, row: Row) -> None:
 async def killed_in_criu(rig: Rig, row: Row) -> None:
     """dump / restore: CRIU held before it starts; seal / restore-exited: CRIU finished, its exit held."""
     criu = rig.criu
-    assert criu is not None, "the row holds CRIU"
     op = "dump" if row.op == "capture" else "restore"
     before = row.step in ("dump", "restore")
     criu.hold(op, "before" if before else "after")
@@ -455,10 +441,9 @@ FAULTS: dict[str, Fault] = {
 }
 
 
-async def run_row(rig: Rig, row: Row, *, restarts_in_stops: bool) -> None:
+async def run_row(rig: Rig, row: Row) -> None:
     """One row, from a fresh WorkerSnapshot (tier ``row.tier``) of the awake, serving worker to the same
-    worker awake and serving again. ``restarts_in_stops``: kubelet's restartCount is checked also in the
-    rows that stop the entrypoint (where a liveness probe landing in the stop would count one)."""
+    worker awake and serving again."""
     api, pod = rig.api, rig.pod
     await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier=row.tier))
     pid1 = rig.container().pid1
@@ -467,7 +452,7 @@ async def run_row(rig: Rig, row: Row, *, restarts_in_stops: bool) -> None:
         before = await identity(rig)
         started, restarts = ep_info(pid1)["started"], await rig.restarts()
         criu = rig.criu
-        dumps, restores = (len(criu.runs("dump")), len(criu.runs("restore"))) if criu else (0, 0)
+        dumps, restores = len(criu.runs("dump")), len(criu.runs("restore"))
         await rig.serving(False)
         freed = 0
         if row.op == "capture" and row.snapshot:
@@ -509,7 +494,7 @@ async def run_row(rig: Rig, row: Row, *, restarts_in_stops: bool) -> None:
             assert step_names(wake) == expected_steps(row), wake
         await check_awake(rig, ws)
 
-        if row.snapshot and criu is not None:  # one dump, sealed, and that sealed capture (never staging) restored
+        if row.snapshot:  # one dump, sealed, and that sealed capture (never staging) restored
             image = Path(asleep["status"]["image"]["path"])
             dumped = criu.runs("dump")[dumps:]
             restored = criu.runs("restore")[restores:]
@@ -522,15 +507,11 @@ async def run_row(rig: Rig, row: Row, *, restarts_in_stops: bool) -> None:
         assert await identity(rig) == before
         assert rig.container().pid1 == pid1 and ep_info(pid1)["started"] == started, \
             "the container never restarted (the same entrypoint, started when it was)"
-        if restarts_in_stops or not row.stops_entrypoint:
-            # (In the sandbox a stopped entrypoint fails the stub kubelet's /live probe if one lands in the
-            # stop, which is the test's doing; the rows that stop it check the container by its start above.)
-            assert await rig.restarts() == restarts
+        assert await rig.restarts() == restarts
         await rig.answered(f"after {row}")
     finally:
         rig.driver.clear_faults()
-        if rig.criu is not None:
-            rig.criu.reset()
+        rig.criu.reset()
         os.kill(pid1, signal.SIGCONT)
         if rig.agent.proc is None:
             await rig.agent.start()

@@ -1,9 +1,10 @@
-"""The node agent under failing parts (issue 8's fault matrix): CRIU failing on io_uring, and the pod
-deleted mid-capture. (The CUDA helper hanging past its bound, a lock that never comes back for one or
-both of a worker's GPU processes, a debugger attached to the worker, a capture over the image budget, a
-disk full mid-dump, a GPU process outside the worker's tree, and a restore whose pid a squatter took, of
-the worker or of another process of its tree, run on the real node: node/test_agent_faults.py; a worker
-whose entrypoint does not refuse io_uring, refused SeccompOff before any change:
+"""The node agent under failing parts (issue 8's fault matrix): CRIU failing on io_uring, and a
+permanent refusal not retried. (The CUDA helper hanging past its bound, a lock that never comes back
+for one or both of a worker's GPU processes, a debugger attached to the worker, a capture over the
+image budget, a disk full mid-dump, a GPU process outside the worker's tree, and a restore whose pid
+a squatter took, of the worker or of another process of its tree, run on the real node:
+node/test_agent_faults.py; the pod deleted mid-capture: node/test_agent_restart.py; a worker whose
+entrypoint does not refuse io_uring, refused SeccompOff before any change:
 node/test_controller_refusals.py.) Each test causes the fault for real (or through a named fake where it
 cannot be had on demand), asserts the Reason and the error text the agent reports for it, and ends with
 the worker running or restorable: the entrypoint active, every GPU process running in the (stub) driver,
@@ -12,13 +13,12 @@ by it.
 
 The agent (node-a's; every worker of the module runs there) runs as its own process with short
 bounds: ``--failure-backoff 1``, ``--helper-timeout 3``, ``--lock-timeout-ms 1000``,
-``--gc-interval 2``, and fake_held_criu as its ``--criu`` (it runs the real CRIU; it only holds back
-the exit of a dump when a test asks it to).
+``--gc-interval 2``.
 
 Sandbox, why: these faults need a worker the example does not ship (faults_launcher.py's io_uring fd
 holder, driven from the node through the pod's namespaces), a worker whose entrypoint is started
 without its filter and that the agent alone, with no controller, keeps asked to sleep (the permanent
-refusal's retry), or CRIU swapped for fake_held_criu.
+refusal's retry).
 """
 
 from __future__ import annotations
@@ -40,18 +40,15 @@ from agentenv import (
     build_stub_driver,
     condition,
     deploy_serving,
-    eventually,
     install_dynsnap,
     quiesce,
     set_desired,
     state_is,
     token_kubeconfig,
     wait_ws,
-    worker_component,
     ws_body,
 )
 from faultsenv import (
-    HeldCriu,
     assert_running,
     ep_info,
     error_is,
@@ -61,7 +58,6 @@ from faultsenv import (
     image_entries,
     io_uring_fds,
     io_uring_maps,
-    pod_image_dir,
     stub_calls,
 )
 
@@ -85,7 +81,6 @@ class Env:
     fe: D.FrontendClient
     agent: AgentProc
     driver: StubDriver
-    held: HeldCriu
     work: Path
     base: list[str]  # the agent's extra flags for this module
     ids: dict[str, int]
@@ -102,9 +97,7 @@ class Env:
 async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
     work = Path(tempfile.mkdtemp(prefix="dynsnap-faults-"))
     driver = build_stub_driver(work / "stubcuda")
-    held = HeldCriu.install(work)
-    base = ["--failure-backoff", "1", "--helper-timeout", "3", "--lock-timeout-ms", "1000", "--gc-interval", "2",
-            "--criu", str(held.path)]
+    base = ["--failure-backoff", "1", "--helper-timeout", "3", "--lock-timeout-ms", "1000", "--gc-interval", "2"]
     await install_dynsnap(cluster)
     kubeconfig = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
     agent = AgentProc(NODE, kubeconfig, work / NODE, driver, extra=list(base))
@@ -112,20 +105,18 @@ async def env(cluster: LocalCluster) -> AsyncIterator[Env]:
         D.frontend_component(),
         fault_worker("plain", driver, launcher=["--fd-holder", HOLDER]),  # row 1 (io_uring, CRIU)
         fault_worker("noseccomp", driver, entrypoint=["--no-seccomp"]),  # row 1 (seccomp off, retried)
-        worker_component("victim", replicas=1, driver=driver),  # row 6: its pod is deleted
     ]))
     fe = D.FrontendClient(g.frontend)
     try:
         await agent.start()
         await fe.wait_model()
         ids = {}
-        for comp in ("plain", "noseccomp", "victim"):
+        for comp in ("plain", "noseccomp"):
             pod = g.workers(comp)[0]
             ids[pod.name] = await D.instance_id(cluster, pod)
             await fe.wait_routable(ids[pod.name])
-        yield Env(cluster, g, fe, agent, driver, held, work, base, ids)
+        yield Env(cluster, g, fe, agent, driver, work, base, ids)
     finally:
-        held.release()
         await fe.close()
         await agent.stop()
         await D.teardown(cluster, g)
@@ -278,56 +269,3 @@ async def test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapp
         with contextlib.suppress(Exception):
             fd_holder(pod, HOLDER, "release")
         await _finish(env, pod)
-
-
-# -- row 6: the pod deleted mid-capture ---------------------------------------------------------------------
-
-async def test_pod_deleted_mid_capture_leaves_no_images_and_the_agent_carries_on(env: Env) -> None:
-    """The worker's pod is deleted while its capture is in flight: the dump is complete on disk but CRIU
-    has not returned to the agent (fake_held_criu holds its exit). The agent does not crash or loop,
-    the WorkerSnapshot (owned by the pod) is collected by kube-controller-manager or refused
-    PodNotFound, and the agent's image GC deletes the gone pod's images (they hold its secrets)."""
-    pod = env.pod("victim")
-    pod_dir = pod_image_dir(env.agent, pod)
-    env.held.hold(pod.uid)
-    try:
-        await _start(env, pod, "snapshot")
-        await eventually("the dump complete on disk, CRIU's exit held back",
-                         lambda: _held_dump(env, pod), timeout=120)
-        staging = [d for d in pod_dir.iterdir() if d.name.startswith(P.STAGING_PREFIX)]
-        assert len(staging) == 1 and "Dumping finished successfully" in (staging[0] / "dump.log").read_text()
-        ws = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-        assert ws["status"]["state"] == "Capturing"
-        await env.cluster.delete_pod(pod.namespace, pod.name)
-
-        async def collected_or_refused() -> str | None:
-            try:
-                cur = await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
-            except NotFound:
-                return "collected"
-            acc = condition(cur, "Accepted")
-            return "refused" if acc and acc["status"] == "False" and acc["reason"] == "PodNotFound" else None
-        outcome = await eventually("the WorkerSnapshot collected, or refused PodNotFound", collected_or_refused,
-                                   timeout=120)
-        print("WorkerSnapshot of the deleted pod:", outcome)
-        await eventually("the gone pod's images deleted", lambda: _dir_gone(pod_dir), timeout=60)
-        assert str(pod_dir) in env.agent.log_path.read_text(), "deleted by the agent's image GC"
-        assert env.agent.proc is not None and env.agent.proc.alive(), "the agent did not crash"
-        assert "Traceback" not in env.agent.log_path.read_text()
-    finally:
-        env.held.release()
-    # The agent carries on: another worker's WorkerSnapshot is taken up as before.
-    other = env.pod("plain")
-    await env.api.create(R.WORKER_SNAPSHOTS, ws_body(other, tier="snapshot"))
-    try:
-        await _wait(env, other, "Accepted, Active", state_is("Active"))
-    finally:
-        await env.api.delete(R.WORKER_SNAPSHOTS, other.name, namespace=other.namespace)
-
-
-async def _held_dump(env: Env, pod: RunningPod) -> bool:
-    return f"dumped {pod.uid} 0" in env.held.log()
-
-
-async def _dir_gone(path: Path) -> bool:
-    return not path.exists()

@@ -17,25 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dynsnap.k8s.client import Obj
-from dynsnap.testenv.cluster import RunningPod
 
 MARKER = "DYNSNAP_OP"  # what agents before issue 18 took for proof that a process was their helper
-
-
-def _main(comp: Obj) -> Obj:
-    main: Obj = comp["extraPodSpec"]["mainContainer"]
-    return main
-
-
-def with_forged_helper(comp: Obj) -> Obj:
-    """The worker started by a launcher that first starts, inside the worker's own tree, a ``sleep``
-    carrying ``DYNSNAP_OP=<its pod UID>/criu`` (what the worker itself could set), without the stub
-    CUDA driver (it is no GPU process), then execs the mocker in its own place."""
-    main = _main(comp)
-    cmd = list(main["command"])
-    at = cmd.index("--") + 1
-    main["command"] = [*cmd[:at], "/bin/sh", "-c", FORGE_IN_TREE, "launcher", *cmd[at:]]
-    return comp
 
 
 # A worker launcher (``sh -c FORGE_IN_TREE launcher WORKER...``): a ``sleep`` carrying the old helper marker
@@ -96,11 +79,6 @@ def start_ticks(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def marked_in_pod(pod: RunningPod) -> list[int]:
-    """Host pids of the pod's processes that carry the marker with the pod's UID."""
-    return marked_in(pod.sandbox.pid_namespace, pod.uid)
-
-
 def marked_in(ns: int, uid: str) -> list[int]:
     """Host pids of the processes of pid namespace ``ns`` that carry the marker with ``uid``."""
     want = f"{MARKER}={uid}/".encode()
@@ -135,3 +113,4 @@ def replace_report(report: Path, content: bytes | Path) -> None:
     else:
         tmp.write_bytes(content)
     tmp.rename(report)
+
