@@ -429,6 +429,12 @@ MUTATIONS = (
         "        older(written, obj)\n",
         "        False\n",
         tests=["tests/unit/test_agent_own_writes.py"]),
+    mutation(
+        "criu-reads-worker-config", "CRIU reads the configuration files the worker's image holds at its default "
+        "paths (an action script there run by the node's root)", CRIU,
+        '    args = ["--no-default-config", "-v4"]\n',
+        '    args = ["-v4"]\n',
+        tests=["tests/unit/test_agent_criu.py::test_criu_reads_no_configuration_file_of_the_workers", CRIU_FDS]),
 )
 
 SUITE = Suite(

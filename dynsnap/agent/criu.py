@@ -21,6 +21,9 @@ namespace's PID 1 (dynsnap-entrypoint, a subreaper).
   seccomp filter). :func:`classify` names that and other known causes from CRIU's log.
 - ``LD_LIBRARY_PATH`` is never passed to CRIU (it would leak into the helpers CRIU spawns,
   e.g. ``cuda-checkpoint`` for the CUDA plugin, found via ``PATH``).
+- CRIU reads no configuration file: ``--no-default-config`` (its default files would be read in the
+  worker's mount namespace, written by the pod's author: an ``action-script`` there would run as the
+  node's root) and no ``CRIU_CONFIG_FILE`` in its environment.
 - The images directory is mode 0700 (images hold the worker's environment: secrets).
 - CRIU is killed after ``timeout`` seconds: a wedged CRIU never blocks the next attempt. It is
   *not* killed when the agent dies: CRIU killed mid-dump can leave its parasite in a worker and
@@ -143,17 +146,25 @@ def _private_dir(path: Path) -> None:
     path.chmod(0o700)  # also when it existed: images hold the worker's env (secrets)
 
 
+# Never passed to CRIU, whoever set them: LD_LIBRARY_PATH would leak into what CRIU runs; a
+# CRIU_CONFIG_FILE path would resolve in the worker's container, a file the pod's author writes.
+_NOT_FOR_CRIU = ("LD_LIBRARY_PATH", "CRIU_CONFIG_FILE")
+
+
 def _env(opts: CriuOptions) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    env.update(opts.env)
+    env = {**os.environ, **opts.env}
     if opts.path is not None:
         env["PATH"] = opts.path
-    env.pop("LD_LIBRARY_PATH", None)  # never, whoever set it
+    for name in _NOT_FOR_CRIU:
+        env.pop(name, None)
     return env
 
 
 def _common(opts: CriuOptions) -> list[str]:
-    args = ["-v4"]
+    # --no-default-config: CRIU would read /etc/criu/default.conf and $HOME/.criu/default.conf in the
+    # worker's mount namespace, files the pod's author writes, as options of a CRIU running as the
+    # node's root (an action-script there, run by CRIU, would escape the container).
+    args = ["--no-default-config", "-v4"]
     if opts.tcp_established:
         args.append("--tcp-established")
     if opts.network_lock:

@@ -114,3 +114,27 @@ def replace_report(report: Path, content: bytes | Path) -> None:
         tmp.write_bytes(content)
     tmp.rename(report)
 
+
+# A CRIU configuration the pod's author ships in the worker's image, at the paths CRIU reads by default
+# (/etc/criu/default.conf, and $HOME/.criu/default.conf for HOME=/root), naming an action script: were it
+# read, CRIU (the node's root, in the worker's mount namespace) would run the script at each action of a
+# dump or restore, and the script leaves PLANTED_RAN behind.
+PLANTED_CONFIGS = ("/etc/criu/default.conf", "/root/.criu/default.conf")
+PLANTED_SCRIPT = "/tmp/dynsnap-planted-action"
+PLANTED_RAN = "/tmp/dynsnap-planted-ran"
+
+
+def plant_criu_config(entrypoint: int) -> Path:
+    """PLANTED_CONFIGS and PLANTED_SCRIPT written in the container of ``entrypoint`` (its PID 1), as its
+    image would hold them; the node's path of PLANTED_RAN in that container, absent."""
+    root = Path(f"/proc/{entrypoint}/root")
+    script = root / PLANTED_SCRIPT.lstrip("/")
+    script.write_text(f'#!/bin/sh\necho "$CRTOOLS_SCRIPT_ACTION uid=$(id -u)" >> {PLANTED_RAN}\n')
+    script.chmod(0o755)
+    for conf in PLANTED_CONFIGS:
+        path = root / conf.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"action-script {PLANTED_SCRIPT}\n")
+    ran = root / PLANTED_RAN.lstrip("/")
+    ran.unlink(missing_ok=True)
+    return ran

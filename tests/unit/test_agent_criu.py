@@ -19,6 +19,8 @@ from dynsnap.agent.criu import (
     CriuOptions,
     NotElf,
     PagesRead,
+    _common,
+    _env,
     _Files,
     _launch,
     elf_interpreter,
@@ -176,3 +178,18 @@ def test_pages_read_sums_the_restorers_lines_and_is_none_for_stocks_loop(tmp_pat
     log.write_text("(00.04) pie: 15: Preadv 0x7f00:4096... (3 iovs)\n")  # stock CRIU's loop, at -v4
     assert pages_read(log) is None
     assert pages_read(tmp_path / "missing.log") is None
+
+
+def test_criu_reads_no_configuration_file_of_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CRIU runs in the worker's mount namespace: its default files (/etc/criu/default.conf,
+    $HOME/.criu/default.conf) and a CRIU_CONFIG_FILE path would be the pod author's files. Every run
+    says --no-default-config, and neither the agent's environment nor the options pass CRIU_CONFIG_FILE
+    (or LD_LIBRARY_PATH) on."""
+    monkeypatch.setenv("CRIU_CONFIG_FILE", "/etc/criu/planted.conf")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/elsewhere")
+    opts = CriuOptions(binary="criu", env={"CRIU_CONFIG_FILE": "/x.conf", "LD_LIBRARY_PATH": "/y", "KEEP": "1"},
+                       path="/opt/criu/bin")
+    assert "--no-default-config" in _common(opts)
+    env = _env(opts)
+    assert "CRIU_CONFIG_FILE" not in env and "LD_LIBRARY_PATH" not in env
+    assert env["KEEP"] == "1" and env["PATH"] == "/opt/criu/bin"

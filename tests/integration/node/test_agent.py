@@ -15,7 +15,8 @@ pod); besides the facts test_real_node_wake.py checks (the container, its namesp
   the wake both in the container's log as kubelet keeps it (``kubectl logs``);
 - nothing of the agent's in the worker's container (its node tools, its images directory, its image's
   CRIU and plugin, which CRIU gets as descriptors) before or after, and none of it held open or mapped
-  by the woken pod's processes; CRIU's log naming the CUDA plugin;
+  by the woken pod's processes; CRIU's log naming the CUDA plugin; nothing of the container's steering
+  CRIU (a CRIU configuration at CRIU's default paths naming an action script: never run);
 - the agent's Events about the WorkerSnapshot; a snapshot's image deleted once woken from;
 - twenty snapshot cycles of one worker in a row, each a new capture of the same worker.
 """
@@ -32,6 +33,7 @@ from controllerenv import get_ws
 from realnodecycle import cycle, same_pod
 from realnodeenv import Env, deployed
 from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
+from trustenv import plant_criu_config
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
@@ -143,6 +145,8 @@ async def test_a_worker_through_each_tier_and_back_is_the_same_worker(env: Env, 
         for path in AGENT_IMAGE_FILES:
             assert (agent_root / path.lstrip("/")).exists() and not _in_container(ep, path), path
         facts: dict[str, Obj] = {}
+        # A CRIU configuration in the worker's image, naming an action script: CRIU never reads it.
+        planted_ran = plant_criu_config(ep) if tier == "snapshot" else None
 
         async def while_asleep(ws: Obj) -> None:
             await _endpoint_becomes(env, w, ready=False)
@@ -184,6 +188,8 @@ async def test_a_worker_through_each_tier_and_back_is_the_same_worker(env: Env, 
             assert 'Plugin "cuda_plugin"' in image["dump_log"] and "Dumping finished successfully" in image["dump_log"]
             assert [s["name"] for s in wake["steps"]] == ["wake", "restore", "resume", "settle-active"]
             assert not Path(st["image"]["path"]).exists()  # woken from and superseded: the secrets gone
+            assert planted_ran is not None and not planted_ran.exists(), \
+                f"CRIU ran the action script the worker's image configured: {planted_ran.read_text()}"
         # The same worker: its identity, its endpoint, its connections, its log.
         await _endpoint_becomes(env, w, ready=True)
         assert await _identity(env, w) == before
