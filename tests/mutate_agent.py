@@ -435,6 +435,13 @@ MUTATIONS = (
         '    args = ["--no-default-config", "-v4"]\n',
         '    args = ["-v4"]\n',
         tests=["tests/unit/test_agent_criu.py::test_criu_reads_no_configuration_file_of_the_workers", CRIU_FDS]),
+    mutation(
+        "criu-path-of-the-worker", "CRIU gets the agent's PATH, directories it resolves in the worker's container "
+        "(its CUDA plugin runs the container's cuda-checkpoint as the node's root)", EXECUTOR,
+        "        path = None\n",
+        "        path = os.environ.get(\"PATH\")\n",
+        tests=["tests/integration/node/test_agent_restart.py::"
+               "test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container"]),
 )
 
 SUITE = Suite(

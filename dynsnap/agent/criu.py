@@ -53,7 +53,11 @@ mount namespace; the descriptors are opened close-on-exec and passed to nsenter 
   reaches it there; and the child's only other tie to the agent's files, CRIU's working directory,
   must be the worker's for the cgroup yard. So with the plugin on, the directory of
   ``cuda-checkpoint`` (dynsnap-cuda's drop-in) must exist at the agent's path in the worker's
-  container as well.
+  container as well (and what the container holds there is what CRIU runs). With it off (the
+  default), CRIU's ``PATH`` is an empty directory of the agent's, named by a descriptor: CRIU runs
+  as the node's root in the worker's mount namespace, and the plugin, loaded from the agent's plugin
+  directory, would otherwise run a ``cuda-checkpoint`` of the container's
+  (tests/integration/node/test_agent_restart.py plants one).
 - A ``--criu`` that is not an ELF binary (the test environment's wrapper scripts) cannot be
   started that way: it is run by its path, with paths for everything, which must then resolve in
   the worker's mount namespace (locally the pod sandboxes share the node's file system).
@@ -67,6 +71,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -124,7 +129,9 @@ class CriuOptions:
     tcp_established: bool = True
     network_lock: str | None = "nftables"
     extra_args: Sequence[str] = ()
-    # PATH for CRIU, as directories of the worker's file system.
+    # PATH for CRIU, as directories of the worker's file system (what CRIU's CUDA plugin runs
+    # cuda-checkpoint from: the worker's files, run as the node's root). None: nothing of the
+    # worker's, an empty directory of the agent's named by a descriptor (_run).
     path: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     # CRIU's plugin directory (--libdir), an agent path; None: the one compiled into CRIU, looked up
@@ -147,14 +154,13 @@ def _private_dir(path: Path) -> None:
 
 
 # Never passed to CRIU, whoever set them: LD_LIBRARY_PATH would leak into what CRIU runs; a
-# CRIU_CONFIG_FILE path would resolve in the worker's container, a file the pod's author writes.
-_NOT_FOR_CRIU = ("LD_LIBRARY_PATH", "CRIU_CONFIG_FILE")
+# CRIU_CONFIG_FILE or CRIU_LIBS_DIR path would resolve in the worker's container, the pod author's
+# files (a configuration; plugins CRIU would load).
+_NOT_FOR_CRIU = ("LD_LIBRARY_PATH", "CRIU_CONFIG_FILE", "CRIU_LIBS_DIR")
 
 
-def _env(opts: CriuOptions) -> dict[str, str]:
-    env = {**os.environ, **opts.env}
-    if opts.path is not None:
-        env["PATH"] = opts.path
+def _env(opts: CriuOptions, path: str) -> dict[str, str]:
+    env = {**os.environ, **opts.env, "PATH": path}
     for name in _NOT_FOR_CRIU:
         env.pop(name, None)
     return env
@@ -283,21 +289,26 @@ async def _launch(opts: CriuOptions, images_dir: Path, files: _Files, *, timeout
 async def _run(target: NamespaceTarget, images_dir: Path, build: Callable[[_Launch], list[str]], *,
                log_path: Path, timeout: float, opts: CriuOptions, what: str) -> float:
     files = _Files()
-    try:
-        launch = await _launch(opts, images_dir, files, timeout=timeout, log_path=log_path)
-        argv = [*launch.argv, *build(launch)]
-        if launch.libdir:
-            argv += ["--libdir", launch.libdir]
-        argv += ["-W", opts.workdir or str(images_dir)]
-        argv += [*_common(opts), *opts.extra_args]
-        t0 = time.monotonic()
+    # CRIU's PATH, unless the options name one: an empty directory of the agent's for the run, named by a
+    # descriptor (/proc/self/fd/N, which no file of the container can stand for, and which is gone in
+    # CRIU's children that close their descriptors before an exec): nothing of the worker's is run.
+    with tempfile.TemporaryDirectory(prefix="dynsnap-criu-path-") as empty:
         try:
-            res = await run_command([*target.nsenter_argv(), *argv], timeout=timeout, check=False, env=_env(opts),
-                                    pass_fds=files.fds, on_spawn=opts.on_spawn)
-        except CommandError as e:  # timed out: CRIU and nsenter were killed
-            raise CriuError(f"criu {what}: no exit within {timeout} s", log_path=log_path, timed_out=True) from e
-    finally:
-        files.close()
+            launch = await _launch(opts, images_dir, files, timeout=timeout, log_path=log_path)
+            path = opts.path if opts.path is not None else files.open(empty, directory=True)
+            argv = [*launch.argv, *build(launch)]
+            if launch.libdir:
+                argv += ["--libdir", launch.libdir]
+            argv += ["-W", opts.workdir or str(images_dir)]
+            argv += [*_common(opts), *opts.extra_args]
+            t0 = time.monotonic()
+            try:
+                res = await run_command([*target.nsenter_argv(), *argv], timeout=timeout, check=False,
+                                        env=_env(opts, path), pass_fds=files.fds, on_spawn=opts.on_spawn)
+            except CommandError as e:  # timed out: CRIU and nsenter were killed
+                raise CriuError(f"criu {what}: no exit within {timeout} s", log_path=log_path, timed_out=True) from e
+        finally:
+            files.close()
     if res.returncode != 0:
         raise CriuError(f"criu {what} exited {res.returncode}: {res.stderr.strip()[-500:]}", log_path=log_path)
     return time.monotonic() - t0

@@ -77,17 +77,17 @@ class Executor:
         self.images = ImageStore(settings.images_root, budget_bytes=settings.images_budget_bytes)
 
     def criu_opts(self, subject: Subject, w: W.WorkerProcs) -> CriuOptions:
-        # By default CRIU gets no cuda-checkpoint on its PATH: the GPU processes are saved (every lock
+        # By default CRIU gets a PATH with nothing on it (criu.py: nothing of the worker's container,
+        # where CRIU runs as the node's root, is ever run): the GPU processes are saved (every lock
         # before any checkpoint, one helper for all) before the dump and resumed after the restore by
-        # the agent, so CRIU's CUDA plugin, which handles one pid per exec, has nothing to do.
-        dirs = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin").split(os.pathsep)
+        # the agent, so CRIU's CUDA plugin, which handles one pid per exec, finds no cuda-checkpoint and
+        # stands aside. With the plugin on, CRIU's PATH is the helper's directory alone, a path of the
+        # worker's container too (native/build holds cuda-checkpoint -> dynsnap-cuda).
+        path = None
         if self.settings.criu_cuda_plugin:
-            helper_dir = os.path.dirname(os.path.abspath(self.settings.cuda_helper))
-            dirs = [helper_dir, *dirs]  # native/build holds cuda-checkpoint -> dynsnap-cuda
-        else:
-            dirs = [d for d in dirs if not os.path.exists(os.path.join(d, "cuda-checkpoint"))]
+            path = os.path.dirname(os.path.abspath(self.settings.cuda_helper))
         return CriuOptions(binary=self.settings.criu, tcp_established=self.settings.tcp_established,
-                           network_lock=self.settings.network_lock or None, path=os.pathsep.join(dirs),
+                           network_lock=self.settings.network_lock or None, path=path,
                            libdir=self.settings.criu_libdir or None, workdir=w.control_dir,
                            env=self._criu_env(subject), on_spawn=self.helpers.spawned(f"{subject.uid}/criu"))
 

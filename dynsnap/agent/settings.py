@@ -50,7 +50,8 @@ class AgentSettings(BaseModel):
     criu_cuda_plugin: Annotated[bool, Field(description=(
         "Let CRIU's CUDA plugin run (cuda-checkpoint, i.e. dynsnap-cuda, on CRIU's PATH: the directory of "
         "--cuda-helper, which must then exist at that path in the worker's container too, unlike everything else "
-        "CRIU uses). Off: the agent saves "
+        "CRIU uses; CRIU, the node's root, runs the cuda-checkpoint the container holds there: only for images you "
+        "trust). Off: CRIU's PATH names nothing of the container's, and the agent saves "
         "every GPU process (every lock before any checkpoint, one helper for all) before the dump and resumes "
         "them after the restore, which the plugin, one pid per exec, cannot do; it would find them checkpointed "
         "and skip them anyway."))] = False

@@ -10,10 +10,12 @@ import asyncio
 import os
 import struct
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from dynsnap.agent import criu as criu_mod
 from dynsnap.agent.criu import (
     CriuError,
     CriuOptions,
@@ -27,6 +29,8 @@ from dynsnap.agent.criu import (
     library_dirs,
     pages_read,
 )
+from dynsnap.models.ids import HostPid, NsPid
+from dynsnap.runtime.command import CommandResult
 
 
 def _elf(path: Path, *, cls: int, endian: str, interp: bytes | None) -> Path:
@@ -183,13 +187,53 @@ def test_pages_read_sums_the_restorers_lines_and_is_none_for_stocks_loop(tmp_pat
 def test_criu_reads_no_configuration_file_of_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """CRIU runs in the worker's mount namespace: its default files (/etc/criu/default.conf,
     $HOME/.criu/default.conf) and a CRIU_CONFIG_FILE path would be the pod author's files. Every run
-    says --no-default-config, and neither the agent's environment nor the options pass CRIU_CONFIG_FILE
-    (or LD_LIBRARY_PATH) on."""
+    says --no-default-config, and neither the agent's environment nor the options pass CRIU_CONFIG_FILE,
+    CRIU_LIBS_DIR (a plugin directory, looked up there too) or LD_LIBRARY_PATH on."""
     monkeypatch.setenv("CRIU_CONFIG_FILE", "/etc/criu/planted.conf")
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/elsewhere")
-    opts = CriuOptions(binary="criu", env={"CRIU_CONFIG_FILE": "/x.conf", "LD_LIBRARY_PATH": "/y", "KEEP": "1"},
-                       path="/opt/criu/bin")
+    monkeypatch.setenv("CRIU_LIBS_DIR", "/usr/lib/criu")
+    opts = CriuOptions(binary="criu", env={"CRIU_CONFIG_FILE": "/x.conf", "LD_LIBRARY_PATH": "/y", "KEEP": "1"})
     assert "--no-default-config" in _common(opts)
-    env = _env(opts)
-    assert "CRIU_CONFIG_FILE" not in env and "LD_LIBRARY_PATH" not in env
+    env = _env(opts, "/opt/criu/bin")
+    assert "CRIU_CONFIG_FILE" not in env and "LD_LIBRARY_PATH" not in env and "CRIU_LIBS_DIR" not in env
     assert env["KEEP"] == "1" and env["PATH"] == "/opt/criu/bin"
+
+
+def _seen_by_criu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, opts: CriuOptions) -> dict[str, object]:
+    """What one dump hands its CRIU (argv, environment, descriptors), and what the PATH it gets holds
+    while it runs; nothing is run (run_command replaced)."""
+    seen: dict[str, object] = {}
+
+    async def fake_run(argv: list[str], **kw: object) -> CommandResult:
+        env = kw["env"]
+        assert isinstance(env, dict)
+        seen.update(argv=argv, env=env, fds=list(kw["pass_fds"]))
+        path = env["PATH"]
+        seen["path_holds"] = os.listdir(path) if os.path.isdir(path) else None
+        return CommandResult(0, "", "")
+    monkeypatch.setattr(criu_mod, "run_command", fake_run)
+    asyncio.run(criu_mod.criu_dump(criu_mod.NamespaceTarget(HostPid(1)), NsPid(10000), tmp_path / "img",
+                                   opts=opts, timeout=30))
+    return seen
+
+
+def test_criu_gets_a_path_with_nothing_of_the_workers_on_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """CRIU runs in the worker's mount namespace as the node's root: a PATH of directories would name the
+    container's files (its CUDA plugin runs cuda-checkpoint from it). With no PATH in the options (the
+    plugin off), CRIU's PATH is one empty directory of the agent's, named by a descriptor handed to CRIU
+    alone, and gone after the run."""
+    script = tmp_path / "fake_criu"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    before = set(Path(tempfile.gettempdir()).glob("dynsnap-criu-path-*"))  # (those of agents killed mid-run)
+    seen = _seen_by_criu(monkeypatch, tmp_path, CriuOptions(binary=str(script)))
+    env = seen["env"]
+    assert isinstance(env, dict)
+    path = env["PATH"]
+    assert path.startswith("/proc/self/fd/") and ":" not in path, path
+    assert int(path.removeprefix("/proc/self/fd/")) in seen["fds"]
+    assert seen["path_holds"] == [], "an empty directory"
+    assert set(Path(tempfile.gettempdir()).glob("dynsnap-criu-path-*")) == before, "removed after the run"
+    # Named in the options (the plugin on: the helper's directory alone), it is what CRIU gets.
+    seen = _seen_by_criu(monkeypatch, tmp_path, CriuOptions(binary=str(script), path="/opt/dynsnap/bin"))
+    assert seen["env"]["PATH"] == "/opt/dynsnap/bin"

@@ -230,6 +230,57 @@ async def test_a_helper_an_earlier_agent_left_past_its_bound_is_killed_through_t
         await api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
 
 
+# CRIU's fault injection FI_PLUGIN_CUDA_FORCE_ENABLE (criu/include/fault-injection.h): its CUDA plugin runs
+# as on a GPU node, where it finds /proc/driver/nvidia/gpus, and looks for cuda-checkpoint on its PATH.
+CUDA_PLUGIN_FORCE_ENABLE = "138"
+PLANTED_CUDA_RAN = "/tmp/dynsnap-planted-cuda-checkpoint-ran"
+
+
+def _plant_cuda_checkpoint(entrypoint: int, dirs: list[str]) -> Path:
+    """An executable ``cuda-checkpoint`` in each of ``dirs`` of the container of ``entrypoint``, as its image
+    could hold one: run, it leaves PLANTED_CUDA_RAN. The node's path of that file, absent."""
+    root = Path(f"/proc/{entrypoint}/root")
+    for d in dirs:
+        at = root / d.lstrip("/")
+        at.mkdir(parents=True, exist_ok=True)
+        (at / "cuda-checkpoint").write_text(f'#!/bin/sh\necho "$* uid=$(id -u)" >> {PLANTED_CUDA_RAN}\n')
+        (at / "cuda-checkpoint").chmod(0o755)
+    ran = root / PLANTED_CUDA_RAN.lstrip("/")
+    ran.unlink(missing_ok=True)
+    return ran
+
+
+async def test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container(rig: NodeRig) -> None:
+    """CRIU runs in the worker's mount namespace as the node's root, and its CUDA plugin (loaded from the
+    agent's plugin directory, as the chart's agent loads it) runs ``cuda-checkpoint`` from its PATH. With
+    the plugin off (the default: the agent saves the GPU processes itself), CRIU's PATH names nothing of
+    the container's: a ``cuda-checkpoint`` the worker's image holds in every directory of the agent's PATH
+    is never run while the worker is captured and woken in place (the plugin forced on, as on a GPU node)."""
+    api, pod, agent = rig.api, rig.pod, rig.agent
+    pid1 = rig.container().pid1
+    ran = _plant_cuda_checkpoint(pid1, os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep))
+    base, base_env = list(agent.extra), dict(agent.env)
+    plugins = Path(os.environ["DYNSNAP_CRIU"]).parents[1] / "lib" / "criu"
+    await agent.stop()
+    agent.extra = [*base, "--criu-libdir", str(plugins)]
+    agent.env = {**base_env, "CRIU_FAULT": CUDA_PLUGIN_FORCE_ENABLE}
+    await agent.start()
+    await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="snapshot"))
+    try:
+        await wait_ws(rig, "Accepted, Active", state_is("Active"))
+        asleep = await _capture(rig)
+        dump_log = (Path(asleep["status"]["image"]["path"]) / "dump.log").read_text(errors="replace")
+        assert 'Plugin "cuda_plugin"' in dump_log, "CRIU loaded its CUDA plugin from the agent's directory"
+        await _wake_and_serve(rig, "after the planted cuda-checkpoint")
+        assert rig.container().pid1 == pid1
+        assert not ran.exists(), f"CRIU ran the worker's cuda-checkpoint: {ran.read_text()}"
+    finally:
+        await agent.stop()
+        agent.extra, agent.env = base, base_env  # the module's agent again
+        await agent.start()
+        await api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+
+
 def _manifest(ws: Obj) -> Obj:
     m: Obj = json.loads((Path(ws["status"]["image"]["path"]) / P.MANIFEST_FILE).read_text())
     return m
