@@ -173,8 +173,8 @@ MUTATIONS = (
     mutation(
         "criu-by-path", "CRIU is run by its agent paths inside the worker's mount namespace, not from "
         "descriptors of the agent's files", CRIU,
-        "        interp = elf_interpreter(files.fds[-1])\n",
-        "        raise NotElf(\"mutant\")\n",
+        "    return _Launch(argv, files.open(images_dir, directory=True), libdir)\n",
+        "    return _Launch([binary], str(images_dir), opts.libdir)\n",
         tests=[CRIU_FDS]),
     # -- issue 18 ---------------------------------------------------------------------------------------
     mutation(
@@ -442,6 +442,19 @@ MUTATIONS = (
         "        path = os.environ.get(\"PATH\")\n",
         tests=["tests/integration/node/test_agent_restart.py::"
                "test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container"]),
+    mutation(
+        "criu-script-by-path", "a --criu that is no ELF binary is run by its path, a file of the worker's container",
+        CRIU,
+        "        raise CriuError(f\"CRIU {binary!r} is {e}: the agent starts CRIU in a worker's namespaces from \"\n",
+        "        return _Launch([opts.binary], str(images_dir), opts.libdir)\n"
+        "        raise CriuError(f\"CRIU {binary!r} is {e}: the agent starts CRIU in a worker's namespaces from \"\n",
+        tests=["tests/unit/test_agent_criu.py::test_a_script_is_refused"]),
+    mutation(
+        "criu-plugins-of-the-worker", "with no plugin directory set, CRIU looks up its compiled-in one in the "
+        "worker's container (a plugin planted there loaded into CRIU)", CRIU,
+        '            argv = [*launch.argv, *build(launch), "--libdir", launch.libdir or nothing]\n',
+        '            argv = [*launch.argv, *build(launch), *(["--libdir", launch.libdir] if launch.libdir else [])]\n',
+        tests=["tests/unit/test_agent_criu.py::test_criu_gets_a_path_with_nothing_of_the_workers_on_it"]),
 )
 
 SUITE = Suite(

@@ -58,9 +58,10 @@ mount namespace; the descriptors are opened close-on-exec and passed to nsenter 
   as the node's root in the worker's mount namespace, and the plugin, loaded from the agent's plugin
   directory, would otherwise run a ``cuda-checkpoint`` of the container's
   (tests/integration/node/test_agent_restart.py plants one).
-- A ``--criu`` that is not an ELF binary (the test environment's wrapper scripts) cannot be
-  started that way: it is run by its path, with paths for everything, which must then resolve in
-  the worker's mount namespace (locally the pod sandboxes share the node's file system).
+- A ``--criu`` that is not an ELF binary (a wrapper script) is refused (CriuError): it could only
+  run by its path, a file of the worker's container. No plugin directory set: CRIU gets an empty
+  one of the agent's, never its compiled-in one (looked up in the container, where a plugin planted
+  there would be loaded into CRIU).
 
 CRIU's restore closes, in every restored process, each descriptor it did not restore itself, so
 none of these reach the woken worker (tests/integration/node/test_agent.py checks both, on the real node).
@@ -134,8 +135,8 @@ class CriuOptions:
     # worker's, an empty directory of the agent's named by a descriptor (_run).
     path: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
-    # CRIU's plugin directory (--libdir), an agent path; None: the one compiled into CRIU, looked up
-    # in the worker's file system.
+    # CRIU's plugin directory (--libdir), an agent path; None: no plugin (an empty directory of the
+    # agent's: CRIU's compiled-in one would be looked up in the worker's file system).
     libdir: str | None = None
     # CRIU's work dir (-W), a directory of the worker's file system where CRIU may make and mount its
     # cgroup yard on a restore (the entrypoint's control directory). None: the images directory by its
@@ -253,7 +254,7 @@ def _agent_path(binary: str) -> str:
 
 @dataclass(frozen=True)
 class _Launch:
-    """How one CRIU run names what it needs: agent files as fd paths, or (a script) plain paths."""
+    """How one CRIU run names what it needs: agent files as ``/proc/self/fd/N`` paths."""
 
     argv: list[str]  # the command that is CRIU
     images: str
@@ -268,9 +269,9 @@ async def _launch(opts: CriuOptions, images_dir: Path, files: _Files, *, timeout
         raise CriuError(f"CRIU {binary!r}: {e.strerror}", log_path=log_path) from e
     try:
         interp = elf_interpreter(files.fds[-1])
-    except NotElf:  # a wrapper script: its interpreter and everything else by path, in the worker's files
-        files.close()
-        return _Launch([opts.binary], str(images_dir), opts.libdir)
+    except NotElf as e:  # a script would run by its path, a file of the worker's container
+        raise CriuError(f"CRIU {binary!r} is {e}: the agent starts CRIU in a worker's namespaces from "
+                        "descriptors of its own files, which only an ELF binary allows", log_path=log_path) from e
     if interp is None:
         argv = [exe]
     else:
@@ -289,16 +290,16 @@ async def _launch(opts: CriuOptions, images_dir: Path, files: _Files, *, timeout
 async def _run(target: NamespaceTarget, images_dir: Path, build: Callable[[_Launch], list[str]], *,
                log_path: Path, timeout: float, opts: CriuOptions, what: str) -> float:
     files = _Files()
-    # CRIU's PATH, unless the options name one: an empty directory of the agent's for the run, named by a
-    # descriptor (/proc/self/fd/N, which no file of the container can stand for, and which is gone in
-    # CRIU's children that close their descriptors before an exec): nothing of the worker's is run.
+    # CRIU's PATH and plugin directory, unless the options name them: an empty directory of the agent's
+    # for the run, named by a descriptor (/proc/self/fd/N, which no file of the container can stand for,
+    # and which is gone in CRIU's children that close their descriptors before an exec): nothing of the
+    # worker's is run or loaded.
     with tempfile.TemporaryDirectory(prefix="dynsnap-criu-path-") as empty:
         try:
             launch = await _launch(opts, images_dir, files, timeout=timeout, log_path=log_path)
-            path = opts.path if opts.path is not None else files.open(empty, directory=True)
-            argv = [*launch.argv, *build(launch)]
-            if launch.libdir:
-                argv += ["--libdir", launch.libdir]
+            nothing = files.open(empty, directory=True)
+            path = opts.path if opts.path is not None else nothing
+            argv = [*launch.argv, *build(launch), "--libdir", launch.libdir or nothing]
             argv += ["-W", opts.workdir or str(images_dir)]
             argv += [*_common(opts), *opts.extra_args]
             t0 = time.monotonic()

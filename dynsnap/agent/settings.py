@@ -42,11 +42,12 @@ class AgentSettings(BaseModel):
         "pages and reads a snapshot's pages with one thread, a slower snapshot wake). As the agent finds "
         "it (a bare name: on the agent's PATH). It runs inside the worker's namespaces, started by the agent's loader "
         "with the agent's libraries (those the agent's loader resolves), all handed over as open descriptors, like "
-        "the images and plugin directories: the worker's container needs none of them. A script instead runs by its "
-        "path, which must then resolve in the worker's container."))] = "criu"
+        "the images and plugin directories: the worker's container needs none of them. So it must be an ELF binary: "
+        "a script is refused (it could only run by its path, a file of the worker's container)."))] = "criu"
     criu_libdir: Annotated[str, Field(description=(
-        "CRIU's plugin directory (--libdir), a directory of the agent's, handed over as a descriptor. Empty: the one "
-        "compiled into CRIU, looked up in the worker's container."))] = ""
+        "CRIU's plugin directory (--libdir), a directory of the agent's, handed over as a descriptor. Empty: no "
+        "plugin (an empty directory of the agent's; CRIU's compiled-in one would be looked up in the worker's "
+        "container, where a plugin planted there would be loaded into CRIU)."))] = ""
     criu_cuda_plugin: Annotated[bool, Field(description=(
         "Let CRIU's CUDA plugin run (cuda-checkpoint, i.e. dynsnap-cuda, on CRIU's PATH: the directory of "
         "--cuda-helper, which must then exist at that path in the worker's container too, unlike everything else "

@@ -2,7 +2,8 @@
 agentenv.py: a local cluster of their own (its API server is restarted, and it keeps an audit log), the
 audit log read back as the watches each pod opened (URL, timeoutSeconds, when the server started and
 ended each), the API server's own end of a pod's connections, the agent's helpers found by what they
-are (helperprocs.py), and a CRIU that restores TCP connections closed (apiserver_criu_tcp_close).
+are (helperprocs.py), and a CRIU that restores TCP connections closed (the real CRIU with
+fake_slow_criu linked in, its restores given a configuration of ``tcp-close``).
 
 The cluster has its own bridge and /16 (``dsnapi0``, 10.217.0.0/16; ``DYNSNAP_TEST_APISERVER_BRIDGE``
 and ``DYNSNAP_TEST_APISERVER_CIDR`` pick another pair), so it runs beside the session's cluster.
@@ -23,12 +24,12 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from helperprocs import Helper, helpers_of
+from restart_faults import FAKE_SLOW_CRIU_ENV, build_slow_criu
 
 from dynsnap.testenv.cluster import DYNAMO_USER, LocalCluster, RunningPod
 from dynsnap.testenv.netns import SandboxNetwork
 
 # The real CRIU with --tcp-close added to a restore (see its header).
-TCP_CLOSE_CRIU = Path(__file__).resolve().parent / "apiserver_criu_tcp_close"
 
 # Everything Dynamo's pods ask of the API server, at Metadata level (the URL, who, when; no bodies),
 # as one event when the response starts and one when it is complete: for a watch, when the server
@@ -152,3 +153,15 @@ def keep_logs(workdir: Path, name: str) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(log, dest)
     return keep
+
+
+def tcp_close_criu(workdir: Path) -> tuple[Path, dict[str, str]]:
+    """A CRIU that restores every TCP connection closed instead of established (CRIU's ``--tcp-close``,
+    for connections that cannot come back) and dumps as the real one: restart_faults.build_slow_criu's
+    copy with a ``restore.conf`` of ``tcp-close``. Its path (an agent's ``--criu``) and the environment
+    its agent needs (the sandboxes share the node's files, so the directory is the node's)."""
+    criu = build_slow_criu(workdir)
+    conf = workdir / "fake-slow-criu"
+    conf.mkdir(mode=0o700, exist_ok=True)
+    (conf / "restore.conf").write_text("tcp-close\n")
+    return criu, {FAKE_SLOW_CRIU_ENV: str(conf)}

@@ -115,6 +115,7 @@ def build_slow_criu(workdir: Path) -> Path:
     """A copy of the real CRIU (``$DYNSNAP_CRIU``) that loads libfake_slow_criu.so (see its source's
     header), both in ``workdir``; its path, for the agent's ``--criu`` with
     ``FAKE_SLOW_CRIU_ENV=FAKE_SLOW_CRIU_DIR`` in the agent's environment."""
+    workdir.mkdir(parents=True, exist_ok=True)
     lib = workdir / "libfake_slow_criu.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", str(lib),
                     str(FAKE_SLOW_CRIU_SRC)], check=True)

@@ -49,7 +49,6 @@ from agentenv import (
     ws_body,
 )
 from apiserver_env import (
-    TCP_CLOSE_CRIU,
     AuditLog,
     Watch,
     apiserver_cluster,
@@ -57,6 +56,7 @@ from apiserver_env import (
     keep_logs,
     leftovers,
     server_ends,
+    tcp_close_criu,
 )
 
 from dynsnap.k8s.client import Obj
@@ -93,7 +93,7 @@ class Env:
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
     """One frontend and two workers, ``api-worker-0`` on node-a and ``api-worker-1`` on node-b. The
     agent of node-a is the agent as shipped; the agent of node-b restores with --tcp-close
-    (apiserver_criu_tcp_close), the second way of coming back that test 2 compares. The cluster is torn
+    (apiserver_env.tcp_close_criu), the second way of coming back that test 2 compares. The cluster is torn
     down whatever happens; its logs (and the audit log) are kept when a test failed."""
     work = Path(tempfile.mkdtemp(prefix="dynsnap-apiserver-"))
     cluster, audit = apiserver_cluster(work)
@@ -104,8 +104,9 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
         kubeconfig = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
         g = await deploy_serving(cluster, D.dgd("api", [D.frontend_component(),
                                                         worker_component("worker", replicas=2, driver=driver)]))
+        criu, criu_env = tcp_close_criu(work / "tcp-close-criu")
         agents = [AgentProc(NODES[0], kubeconfig, work / NODES[0], driver),
-                  AgentProc(NODES[1], kubeconfig, work / NODES[1], driver, extra=["--criu", str(TCP_CLOSE_CRIU)])]
+                  AgentProc(NODES[1], kubeconfig, work / NODES[1], driver, extra=["--criu", str(criu)], env=criu_env)]
         fe = D.FrontendClient(g.frontend)
         try:
             for a in agents:

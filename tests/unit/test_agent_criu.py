@@ -151,18 +151,17 @@ def test_without_a_plugin_directory_none_is_named(tmp_path: Path) -> None:
         files.close()
 
 
-def test_a_script_is_run_by_its_paths(tmp_path: Path) -> None:
+def test_a_script_is_refused(tmp_path: Path) -> None:
+    """A wrapper script could only run by its path, a file of the worker's container: refused, nothing
+    left open."""
     script = tmp_path / "fake_criu"
     script.write_text("#!/bin/sh\nexec criu \"$@\"\n")
     script.chmod(0o755)
     files = _Files()
-    try:
-        opts = CriuOptions(binary=str(script), libdir="/opt/criu/lib/criu")
-        at = asyncio.run(_launch(opts, tmp_path, files, timeout=30, log_path=tmp_path / "dump.log"))
-        assert files.fds == []  # nothing handed over: all by path
-    finally:
-        files.close()
-    assert (at.argv, at.images, at.libdir) == ([str(script)], str(tmp_path), "/opt/criu/lib/criu")
+    with pytest.raises(CriuError, match=r"is not an ELF binary: the agent starts CRIU .* from descriptors"):
+        asyncio.run(_launch(CriuOptions(binary=str(script), libdir="/opt/criu/lib/criu"), tmp_path, files,
+                            timeout=30, log_path=tmp_path / "dump.log"))
+    files.close()
 
 
 def test_a_missing_criu_is_a_criu_error(tmp_path: Path) -> None:
@@ -205,6 +204,8 @@ def _seen_by_criu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, opts: CriuOpt
     seen: dict[str, object] = {}
 
     async def fake_run(argv: list[str], **kw: object) -> CommandResult:
+        if "--list" in argv:  # the loader's account of CRIU's libraries: none needed here
+            return CommandResult(0, "", "")
         env = kw["env"]
         assert isinstance(env, dict)
         seen.update(argv=argv, env=env, fds=list(kw["pass_fds"]))
@@ -219,21 +220,25 @@ def _seen_by_criu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, opts: CriuOpt
 
 def test_criu_gets_a_path_with_nothing_of_the_workers_on_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """CRIU runs in the worker's mount namespace as the node's root: a PATH of directories would name the
-    container's files (its CUDA plugin runs cuda-checkpoint from it). With no PATH in the options (the
-    plugin off), CRIU's PATH is one empty directory of the agent's, named by a descriptor handed to CRIU
-    alone, and gone after the run."""
-    script = tmp_path / "fake_criu"
-    script.write_text("#!/bin/sh\n")
-    script.chmod(0o755)
+    container's files (its CUDA plugin runs cuda-checkpoint from it), as would its compiled-in plugin
+    directory. With no PATH and no plugin directory in the options (the plugin off), CRIU's PATH and
+    --libdir are one empty directory of the agent's, named by a descriptor handed to CRIU alone, and gone
+    after the run."""
+    exe = _real_dynamic_binary()
     before = set(Path(tempfile.gettempdir()).glob("dynsnap-criu-path-*"))  # (those of agents killed mid-run)
-    seen = _seen_by_criu(monkeypatch, tmp_path, CriuOptions(binary=str(script)))
+    seen = _seen_by_criu(monkeypatch, tmp_path, CriuOptions(binary=exe))
     env = seen["env"]
     assert isinstance(env, dict)
     path = env["PATH"]
     assert path.startswith("/proc/self/fd/") and ":" not in path, path
     assert int(path.removeprefix("/proc/self/fd/")) in seen["fds"]
     assert seen["path_holds"] == [], "an empty directory"
+    argv = seen["argv"]
+    assert isinstance(argv, list)
+    # No plugin directory in the options: the same empty directory, never CRIU's compiled-in one (which
+    # CRIU would look up in the container).
+    assert argv[argv.index("--libdir") + 1] == path
     assert set(Path(tempfile.gettempdir()).glob("dynsnap-criu-path-*")) == before, "removed after the run"
     # Named in the options (the plugin on: the helper's directory alone), it is what CRIU gets.
-    seen = _seen_by_criu(monkeypatch, tmp_path, CriuOptions(binary=str(script), path="/opt/dynsnap/bin"))
+    seen = _seen_by_criu(monkeypatch, tmp_path, CriuOptions(binary=exe, path="/opt/dynsnap/bin"))
     assert seen["env"]["PATH"] == "/opt/dynsnap/bin"
