@@ -2,7 +2,8 @@
 control directory is an attacker's choice (a symlink to a node directory's path, a path with ``..``,
 made inside a real container: node/test_agent_refusals.py), a worker that starts a process carrying the
 old helper marker inside its own tree, the same marker on a process of the node, files compared byte for
-byte; an entrypoint report replaced as its worker could, and the refusal it earns.
+byte; an entrypoint report replaced as its worker could, and the refusal it earns; a CRIU configuration
+and a cuda-checkpoint planted in a worker's container for the agent's CRIU to find.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -115,26 +116,43 @@ def replace_report(report: Path, content: bytes | Path) -> None:
     tmp.rename(report)
 
 
-# A CRIU configuration the pod's author ships in the worker's image, at the paths CRIU reads by default
-# (/etc/criu/default.conf, and $HOME/.criu/default.conf for HOME=/root), naming an action script: were it
-# read, CRIU (the node's root, in the worker's mount namespace) would run the script at each action of a
-# dump or restore, and the script leaves PLANTED_RAN behind.
+# What a pod's author could ship in the worker's image to steer the agent's CRIU (the node's root, in the
+# worker's mount namespace), each an executable that, were it run, leaves its line in a file of the
+# container: a CRIU configuration at the paths CRIU reads by default (/etc/criu/default.conf, and
+# $HOME/.criu/default.conf for HOME=/root) naming an action script (PLANTED_RAN), and a cuda-checkpoint
+# for CRIU's CUDA plugin to find on its PATH (PLANTED_CUDA_RAN).
 PLANTED_CONFIGS = ("/etc/criu/default.conf", "/root/.criu/default.conf")
 PLANTED_SCRIPT = "/tmp/dynsnap-planted-action"
 PLANTED_RAN = "/tmp/dynsnap-planted-ran"
+PLANTED_CUDA_RAN = "/tmp/dynsnap-planted-cuda-checkpoint-ran"
+
+
+def _recording(entrypoint: int, scripts: list[str], line: str, ran: str) -> Path:
+    """Executable ``scripts`` (absolute paths) written in the container of ``entrypoint`` (its PID 1), each
+    appending ``line`` (shell words) to ``ran`` when run; the node's path of ``ran``, absent."""
+    root = Path(f"/proc/{entrypoint}/root")
+    for script in scripts:
+        at = root / script.lstrip("/")
+        at.parent.mkdir(parents=True, exist_ok=True)
+        at.write_text(f'#!/bin/sh\necho "{line} uid=$(id -u)" >> {ran}\n')
+        at.chmod(0o755)
+    out = root / ran.lstrip("/")
+    out.unlink(missing_ok=True)
+    return out
 
 
 def plant_criu_config(entrypoint: int) -> Path:
     """PLANTED_CONFIGS and PLANTED_SCRIPT written in the container of ``entrypoint`` (its PID 1), as its
     image would hold them; the node's path of PLANTED_RAN in that container, absent."""
     root = Path(f"/proc/{entrypoint}/root")
-    script = root / PLANTED_SCRIPT.lstrip("/")
-    script.write_text(f'#!/bin/sh\necho "$CRTOOLS_SCRIPT_ACTION uid=$(id -u)" >> {PLANTED_RAN}\n')
-    script.chmod(0o755)
     for conf in PLANTED_CONFIGS:
         path = root / conf.lstrip("/")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"action-script {PLANTED_SCRIPT}\n")
-    ran = root / PLANTED_RAN.lstrip("/")
-    ran.unlink(missing_ok=True)
-    return ran
+    return _recording(entrypoint, [PLANTED_SCRIPT], "$CRTOOLS_SCRIPT_ACTION", PLANTED_RAN)
+
+
+def plant_cuda_checkpoint(entrypoint: int, dirs: list[str]) -> Path:
+    """An executable ``cuda-checkpoint`` in each of ``dirs`` of the container of ``entrypoint``, as its image
+    could hold one; the node's path of PLANTED_CUDA_RAN in that container, absent."""
+    return _recording(entrypoint, [f"{d}/cuda-checkpoint" for d in dirs], "$*", PLANTED_CUDA_RAN)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from restart_faults import (
     unhang,
 )
 from restartmatrix import ROWS, Container, Row, identity, run_row, set_desired, wait_ws, ws_body
+from trustenv import plant_cuda_checkpoint
 
 from dynsnap.agent.helpers import REGISTRY_DIR
 from dynsnap.k8s.client import Kube, Obj
@@ -95,6 +96,7 @@ class NodeRig:
     wid: int
     graph: Graph
     criu: SlowCriu  # in the worker's container
+    agent_flags: list[str]  # the module's agent's extra flags (its environment: SLOW_CRIU_ENV)
 
     @property
     def api(self) -> Kube:
@@ -109,6 +111,16 @@ class NodeRig:
         ns = procfs.pid_ns(ep)
         assert ns is not None
         return Container(ep, ns)
+
+    async def agent_with(self, extra: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+        """The node's agent started again (stopped first, if it runs) with the module's flags and environment
+        and ``extra`` and ``env`` besides; with neither, the module's agent again (left as is if it runs)."""
+        flags, environ = [*self.agent_flags, *extra], {**SLOW_CRIU_ENV, **(env or {})}
+        if self.agent.proc is not None and (self.agent.extra, self.agent.env) == (flags, environ):
+            return
+        await self.agent.stop()
+        self.agent.extra, self.agent.env = flags, environ
+        await self.agent.start()
 
     async def serving(self, on: bool) -> None:
         await self.env.cluster.set_serving_gate(self.pod, on)
@@ -149,15 +161,14 @@ async def rig(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterat
                 await _ws_gone(env.api, w, "the controller's WorkerSnapshot gone")
                 sa = ds["spec"]["template"]["spec"]["serviceAccountName"]
                 kubeconfig = await token_kubeconfig(env.cluster, namespace=NS, sa=sa, path=work / "agent.kubeconfig")
-                criu = build_slow_criu(work)
+                flags = ["--criu", str(build_slow_criu(work)), "--gc-interval", "2"]
                 agent = AgentProc(env.node.name, kubeconfig, work, env.driver, images=env.paths.images,
-                                  cuda_state=env.paths.cuda_state, extra=["--criu", str(criu), "--gc-interval", "2"],
-                                  env=dict(SLOW_CRIU_ENV))
+                                  cuda_state=env.paths.cuda_state, extra=list(flags), env=dict(SLOW_CRIU_ENV))
                 await agent.start()
                 try:
                     facts = await kubelet_facts(env.api, w)
                     slow = SlowCriu.at(container_procs(w.uid, facts.container_id).entrypoint)
-                    yield NodeRig(env, w, facts.container_id, agent, env.driver, wid, graph, slow)
+                    yield NodeRig(env, w, facts.container_id, agent, env.driver, wid, graph, slow, flags)
                 except BaseException:
                     print(f"--- the node's agent (a process of the test's) ---\n{agent.tail(120)}")
                     raise
@@ -187,7 +198,6 @@ async def test_a_helper_an_earlier_agent_left_past_its_bound_is_killed_through_t
     api, pod, agent = rig.api, rig.pod, rig.agent
     pid1 = rig.container().pid1
     before, restarts = await identity(rig), await rig.restarts()
-    base = list(agent.extra)
     await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="suspend"))
     try:
         await wait_ws(rig, "Accepted, Active", state_is("Active"))
@@ -207,8 +217,8 @@ async def test_a_helper_an_earlier_agent_left_past_its_bound_is_killed_through_t
             return any(json.loads(r.read_text()).get("pid") in save for r in records)
         await wait_for("the save's dynsnap-cuda on the agent's registry", recorded, timeout=30, interval=0.2)
         await kill_agent(agent)
-        agent.extra = [*base, "--helper-timeout", str(HELPER_BOUND_S), "--criu-timeout", str(HELPER_BOUND_S)]
-        await agent.start()  # finds the save through the registry, waits, then kills it past its bound
+        # The next agent finds the save through the registry, waits, then kills it past its bound.
+        await rig.agent_with(["--helper-timeout", str(HELPER_BOUND_S), "--criu-timeout", str(HELPER_BOUND_S)])
         ws = await wait_ws(rig, "HelperTimeout", lambda ws: ((ws.get("status") or {}).get("lastError") or {})
                            .get("reason") == P.Reason.HELPER_TIMEOUT.value, timeout=HELPER_BOUND_S + 90)
         err = ws["status"]["lastError"]
@@ -223,31 +233,13 @@ async def test_a_helper_an_earlier_agent_left_past_its_bound_is_killed_through_t
         assert rig.container().pid1 == pid1 and await identity(rig) == before and await rig.restarts() == restarts
     finally:
         rig.driver.clear_faults()
-        if agent.proc is None or agent.extra != base:
-            await agent.stop()
-            agent.extra = base  # the module's agent again
-            await agent.start()
+        await rig.agent_with()  # the module's agent again
         await api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
 
 
 # CRIU's fault injection FI_PLUGIN_CUDA_FORCE_ENABLE (criu/include/fault-injection.h): its CUDA plugin runs
 # as on a GPU node, where it finds /proc/driver/nvidia/gpus, and looks for cuda-checkpoint on its PATH.
 CUDA_PLUGIN_FORCE_ENABLE = "138"
-PLANTED_CUDA_RAN = "/tmp/dynsnap-planted-cuda-checkpoint-ran"
-
-
-def _plant_cuda_checkpoint(entrypoint: int, dirs: list[str]) -> Path:
-    """An executable ``cuda-checkpoint`` in each of ``dirs`` of the container of ``entrypoint``, as its image
-    could hold one: run, it leaves PLANTED_CUDA_RAN. The node's path of that file, absent."""
-    root = Path(f"/proc/{entrypoint}/root")
-    for d in dirs:
-        at = root / d.lstrip("/")
-        at.mkdir(parents=True, exist_ok=True)
-        (at / "cuda-checkpoint").write_text(f'#!/bin/sh\necho "$* uid=$(id -u)" >> {PLANTED_CUDA_RAN}\n')
-        (at / "cuda-checkpoint").chmod(0o755)
-    ran = root / PLANTED_CUDA_RAN.lstrip("/")
-    ran.unlink(missing_ok=True)
-    return ran
 
 
 async def test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container(rig: NodeRig) -> None:
@@ -256,15 +248,11 @@ async def test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container(rig: N
     the plugin off (the default: the agent saves the GPU processes itself), CRIU's PATH names nothing of
     the container's: a ``cuda-checkpoint`` the worker's image holds in every directory of the agent's PATH
     is never run while the worker is captured and woken in place (the plugin forced on, as on a GPU node)."""
-    api, pod, agent = rig.api, rig.pod, rig.agent
+    api, pod = rig.api, rig.pod
     pid1 = rig.container().pid1
-    ran = _plant_cuda_checkpoint(pid1, os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep))
-    base, base_env = list(agent.extra), dict(agent.env)
+    ran = plant_cuda_checkpoint(pid1, os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep))
     plugins = Path(os.environ["DYNSNAP_CRIU"]).parents[1] / "lib" / "criu"
-    await agent.stop()
-    agent.extra = [*base, "--criu-libdir", str(plugins)]
-    agent.env = {**base_env, "CRIU_FAULT": CUDA_PLUGIN_FORCE_ENABLE}
-    await agent.start()
+    await rig.agent_with(["--criu-libdir", str(plugins)], {"CRIU_FAULT": CUDA_PLUGIN_FORCE_ENABLE})
     await api.create(R.WORKER_SNAPSHOTS, ws_body(pod, tier="snapshot"))
     try:
         await wait_ws(rig, "Accepted, Active", state_is("Active"))
@@ -275,9 +263,7 @@ async def test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container(rig: N
         assert rig.container().pid1 == pid1
         assert not ran.exists(), f"CRIU ran the worker's cuda-checkpoint: {ran.read_text()}"
     finally:
-        await agent.stop()
-        agent.extra, agent.env = base, base_env  # the module's agent again
-        await agent.start()
+        await rig.agent_with()  # the module's agent again
         await api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
 
 
@@ -300,13 +286,6 @@ async def _wake_and_serve(rig: NodeRig, prompt: str) -> Obj:
     return ws
 
 
-async def _replace_agent(rig: NodeRig, env: dict[str, str]) -> None:
-    """The DaemonSet rolls: the node's agent goes (SIGTERM), the next one comes, with ``env``."""
-    await rig.agent.stop()
-    rig.agent.env = {**SLOW_CRIU_ENV, **env}
-    await rig.agent.start()
-
-
 async def test_the_next_agent_wakes_a_worker_its_predecessor_snapshotted(rig: NodeRig) -> None:
     api, pod = rig.api, rig.pod
     before, restarts = await identity(rig), await rig.restarts()
@@ -322,8 +301,9 @@ async def test_the_next_agent_wakes_a_worker_its_predecessor_snapshotted(rig: No
         # The tree under test right after fake_next_agent: its sitecustomize imports dynsnap before
         # ``-m`` puts the working directory on sys.path, and would otherwise find the installed one.
         path = [str(NEXT_AGENT), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        await _replace_agent(rig, {"PYTHONPATH": os.pathsep.join(path),
-                                   "DYNSNAP_FAKE_NEXT_IMAGE_FORMAT": str(NEXT_FORMAT)})
+        # The DaemonSet rolls: the node's agent goes (SIGTERM), the next one comes.
+        await rig.agent_with(env={"PYTHONPATH": os.pathsep.join(path),
+                                  "DYNSNAP_FAKE_NEXT_IMAGE_FORMAT": str(NEXT_FORMAT)})
         ws = await wait_ws(rig, "still asleep under the next agent", state_is("Suspended", suspended=True))
         assert ws["status"]["image"]["path"] == asleep["status"]["image"]["path"]
 
@@ -342,8 +322,7 @@ async def test_the_next_agent_wakes_a_worker_its_predecessor_snapshotted(rig: No
         await _wake_and_serve(rig, "after the next agent's own capture")
         assert ep_info(pid1)["started"] == started and await rig.restarts() == restarts
     finally:
-        if rig.agent.env != SLOW_CRIU_ENV:
-            await _replace_agent(rig, {})  # this release's agent again, for whatever runs after
+        await rig.agent_with()  # this release's agent again, for whatever runs after
         await api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
 
 
