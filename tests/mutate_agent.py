@@ -47,7 +47,7 @@ COMMAND = "dynsnap/runtime/command.py"
 NODE = "dynsnap/agent/node.py"
 EDGE = "dynsnap/agent/edge.py"
 
-FAULTS = "tests/integration/test_agent_faults.py::"
+FAULTS = "tests/integration/node/test_agent_faults.py::"
 U_COMPLETE = "tests/unit/test_agent_completeness.py::"
 GPU_MISSING = U_COMPLETE + "test_the_seal_rejects_a_dump_missing_a_recorded_gpu_process"
 GPU_OUTSIDE = [U_COMPLETE + "test_a_gpu_process_reparented_to_the_entrypoint_is_outside",
@@ -79,7 +79,7 @@ NCCL = ("tests/integration/node/test_agent_ranks.py::"
         "test_ranks_on_nccl_without_the_settings_the_driver_needs_are_refused_before_any_lock")
 RESERVE_UNIT = "tests/unit/test_agent_images.py::test_captures_at_once_each_count_the_others_reservation"
 GATE_CONFIRMED = "tests/integration/test_agent_serving_gate.py"
-PERMANENT = FAULTS + "test_a_permanent_refusal_is_not_retried_until_the_spec_changes"
+PERMANENT = NODE_REFUSALS + "test_a_permanent_refusal_is_not_retried_by_the_agent_until_the_spec_changes"
 CRIU_ERRORS = "tests/native/test_criu_errors.py"
 UPGRADE = ("tests/integration/node/test_agent_restart.py::"
            "test_the_next_agent_wakes_a_worker_its_predecessor_snapshotted")

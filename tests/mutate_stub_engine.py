@@ -1,8 +1,10 @@
 """Mutation check of the stand-in GPU engine (dynsnap/testenv/stub_engine.py, stub_gpu.py) and of the
 stub driver's hold as the engine's tests see it (docs/TESTING.md, "The stand-in engine"): each row an
-exact replacement, then tests/integration/test_stub_engine.py must go red. Not collected by pytest
-(no test_ prefix). From the repository root, as root, with the environment of `./run env` (one
-local cluster per mutant):
+exact replacement, then tests/integration/node/test_stub_engine.py (on the real node; the engine's code
+reaches its pods from this tree by a hostPath, the stub driver is built from it by the node's fixture)
+must go red, or, for --no-routes, node/test_engine_tier.py's worker without routes. Not collected by
+pytest (no test_ prefix). From the repository root, as root, with the environment of `./run env` (one
+local cluster and real node per mutant):
 
     source <(./run env | sed 's/^/export /')
     $DYNSNAP_VENV/bin/python tests/mutate_stub_engine.py [--list] [--all-failures] [INDEX|ID ...]
@@ -27,7 +29,10 @@ ENGINE = "dynsnap/testenv/stub_engine.py"
 GPU = "dynsnap/testenv/stub_gpu.py"
 PROC = "tests/native/stub_libcuda/stub_process.c"
 LIB = "tests/native/stub_libcuda/stub_libcuda.c"
-TESTS = ["tests/integration/test_stub_engine.py"]
+TESTS = ["tests/integration/node/test_stub_engine.py"]
+# The engine without routes: refused by the agent for its 404 (EngineRoutesMissing)
+NO_ROUTES = ["tests/integration/node/test_engine_tier.py::"
+             "test_a_worker_without_engine_routes_is_refused_and_auto_sleeps_it_with_suspend"]
 
 MUTATIONS = (
     mutation(
@@ -71,7 +76,7 @@ MUTATIONS = (
         "no-routes-ignored", "--no-routes registers the routes anyway", ENGINE,
         "    if not args.no_routes:\n        runtime.register_engine_route(",
         "    if True:\n        runtime.register_engine_route(",
-        tests=TESTS),
+        tests=NO_ROUTES),
     mutation(
         "decode-ignores-its-prefill", "a decode engine ignores its prefill peer's result", ENGINE,
         "        params = ((request.get(\"prefill_result\") or {}).get(\"disaggregated_params\") or {})"

@@ -2,7 +2,7 @@
 handlers (``engine.Routes``) driven directly on the real model, with ``FakeEndpoint`` standing in for
 Dynamo's ``Endpoint`` (it records the unregister and register calls the routes make). What it cannot
 show, the Dynamo wiring (``register_engine_route`` on the system port), tests/integration/
-test_stub_engine.py shows with the stand-in engine and the same route contract.
+node/test_stub_engine.py shows with the stand-in engine and the same route contract.
 
     python3 bench/e2e/routes_check.py [GIB] [KV_GIB]        (default 4 8; one JSON line on stdout)
 

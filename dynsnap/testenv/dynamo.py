@@ -91,23 +91,6 @@ def mocker_component(name: str, *, replicas: int, mode: str = "agg", sub: str | 
                              control_dir=control_dir, extra_pod_spec=extra_pod_spec, dynsnap=dynsnap, env=env)
 
 
-def engine_component(name: str, *, replicas: int, mode: str = "agg", sub: str | None = None,
-                     dynsnap: bool = False, env: dict[str, str] | None = None, gib: float = 1.0,
-                     kv_gib: float = 2.0, engine_args: list[str] | None = None,
-                     extra_pod_spec: Obj | None = None) -> Obj:
-    """Workers of the stand-in GPU engine (``stub_engine``: stands in for vLLM) where the mocker would
-    be, the same model on the same endpoints, wired for dynsnap as :func:`mocker_component` is. It
-    makes driver calls and holds ``gib`` + ``kv_gib`` GiB on the device, so it needs a driver:
-    ``dynsnap_parts.engine_worker_component`` gives it the stub's. ``engine_args``: more of its flags
-    (``--no-routes``, ``--fail-route sleep``, ``--fault-file F``, ...)."""
-    args = ["--model-path", model_dir(), "--model-name", MODEL_NAME, "--mode", mode, "--gib", f"{gib:g}",
-            "--kv-gib", f"{kv_gib:g}", *(engine_args or [])]
-    # The engine is a module of this checkout, run by the Dynamo venv's python.
-    env = {"PYTHONPATH": str(CHECKOUT), **(env or {})}
-    return _worker_component(name, [dynamo_python(), "-m", "dynsnap.testenv.stub_engine"], args, replicas=replicas,
-                             sub=sub, extra_pod_spec=extra_pod_spec, dynsnap=dynsnap, env=env)
-
-
 def _worker_component(name: str, command: list[str], args: list[str], *, replicas: int, sub: str | None,
                       control_dir: str | None = None, extra_pod_spec: Obj | None = None, dynsnap: bool = False,
                       env: dict[str, str] | None = None) -> Obj:

@@ -355,18 +355,6 @@ def worker_component(name: str, *, replicas: int, driver: StubDriver, env: dict[
                               env={"LD_PRELOAD": str(driver.libcuda), **(env or {})})
 
 
-def engine_worker_component(name: str, *, replicas: int, driver: StubDriver, mode: str = "agg",
-                            sub: str | None = None, gib: float = 1.0, kv_gib: float = 2.0,
-                            engine_args: list[str] | None = None, env: dict[str, str] | None = None) -> Obj:
-    """Workers of the stand-in GPU engine (stub_engine) wired for dynsnap, on the stub CUDA driver: it
-    maps it (a GPU process to the agent), calls it per token (held while the stub holds the process
-    locked or checkpointed) and holds ``gib`` + ``kv_gib`` GiB of its device memory."""
-    stub = {"LD_PRELOAD": str(driver.libcuda), "DYNSNAP_LIBCUDA": str(driver.libcuda),
-            "DYNSNAP_STUB_DIR": str(driver.state_dir)}
-    return D.engine_component(name, replicas=replicas, mode=mode, sub=sub, dynsnap=True, gib=gib, kv_gib=kv_gib,
-                              engine_args=engine_args, env={**stub, **(env or {})})
-
-
 async def deploy_serving(cluster: LocalCluster, body: Obj) -> D.Graph:
     """Deploy a DGD whose dynsnap workers carry the serving gate, and set the gate True on each, as
     the controller does for a new worker (a gate nobody set counts as False: never Ready)."""

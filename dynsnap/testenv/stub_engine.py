@@ -1,9 +1,10 @@
 """stub_engine: stands in for a GPU inference engine such as vLLM, served as a Dynamo 1.6.1 worker, in
 the local environment where no engine package runs (CPU only, the project's stub CUDA driver).
 
-Layer: ``dynsnap.testenv``; runs as its own process under the Dynamo venv's python
-(``$DYNSNAP_DYNAMO_PYTHON -m dynsnap.testenv.stub_engine``, the checkout on ``PYTHONPATH``), imports
-only the standard library, ``stub_gpu`` and Dynamo. ``dynamo.engine_component`` deploys it in a DGD.
+Layer: ``dynsnap.testenv``; runs as its own process under Dynamo's python (``python3 -m
+dynsnap.testenv.stub_engine`` in the worker image, this checkout's package mounted by a hostPath on
+``PYTHONPATH``), imports only the standard library, ``stub_gpu`` and Dynamo. ``real_graph.Engine``
+deploys it in a DGD on the real node.
 
 What makes it a GPU engine here, unlike the mocker: its request path makes driver calls through
 ``libcuda.so.1`` (stub_gpu: two per token), so a process the driver holds locked or checkpointed

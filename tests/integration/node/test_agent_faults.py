@@ -28,9 +28,19 @@ from pathlib import Path
 
 import pytest
 from controllerenv import asleep, cond, get_ws, verified_after
-from faultsenv import debugger_attached, error_is, maps_cuda, occupy_ns_pid, stub_calls
+from faultsenv import (
+    LAUNCHER,
+    debugger_attached,
+    error_is,
+    fd_holder,
+    io_uring_fds,
+    io_uring_maps,
+    maps_cuda,
+    occupy_ns_pid,
+    stub_calls,
+)
 from realnodecycle import back_after_refusal, override, pinned, proven, same_pod, wait_ws
-from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, launched_by, upgrade
+from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, launched_by, upgrade, worker_main
 from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
 
 from dynsnap.k8s.client import Obj
@@ -49,6 +59,8 @@ BUDGET = 4 << 20  # bytes: far below any worker's capture estimate
 # every process of the container does), started in a subshell that exits, so reparented to the entrypoint:
 # outside the worker's tree, as a daemon an engine's wrapper script starts before exec'ing the engine.
 GPU_DAEMON = '(sleep infinity &); exec "$@"'
+HOLDER = "dynsnap-faults-holder"  # the abstract socket of the io_uring test's fd holder
+FAULTS_VOLUME = "faults-launcher"
 FULL_INODES = 16  # a tmpfs with room for bytes but this many inodes: CRIU's images run out of them mid-dump
 
 
@@ -85,6 +97,33 @@ async def budgeted(bounded: Env) -> AsyncIterator[Env]:
 def graph(env: Env, name: str, tier: str, launcher: str | None = None) -> Obj:
     body = chart_node.example_body(env, name=name, worker_replicas=2, policy={"dynsnap.io/tier": tier})
     return body if launcher is None else launched_by(body, launcher)
+
+
+@pytest.fixture(scope="module")
+def faults_launcher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """faults_launcher.py in a directory of the node the worker's user can read (a hostPath volume)."""
+    d = tmp_path_factory.mktemp("faults-launcher")
+    d.chmod(0o755)
+    (d / LAUNCHER.name).write_bytes(LAUNCHER.read_bytes())
+    (d / LAUNCHER.name).chmod(0o644)
+    return d / LAUNCHER.name
+
+
+def holder_graph(env: Env, name: str, launcher: Path) -> Obj:
+    """The example's graph (tier snapshot) whose worker is started by faults_launcher.py with an fd
+    holder (mounted read-only from the node at the same path), then the mocker as the container's args.
+    The worker container also has SYS_PTRACE, as a pod that lets a profiler (py-spy) attach does: the
+    runtime's default seccomp profile (containerd's) refuses pidfd_getfd(2) to a container without it
+    (EPERM), so only such a container's processes can take a descriptor from another process."""
+    body = graph(env, name, "snapshot", f'exec python3 {launcher} --fd-holder {HOLDER} -- "$@"')
+    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+    worker["podTemplate"]["spec"].setdefault("volumes", []).append(
+        {"name": FAULTS_VOLUME, "hostPath": {"path": str(launcher.parent), "type": "Directory"}})
+    main = worker_main(body)
+    main.setdefault("volumeMounts", []).append(
+        {"name": FAULTS_VOLUME, "mountPath": str(launcher.parent), "readOnly": True})
+    main["securityContext"]["capabilities"]["add"].append("SYS_PTRACE")
+    return body
 
 
 def gpu_processes(w: NodePod, container_id: str) -> list[int]:
@@ -467,3 +506,67 @@ async def test_a_gpu_process_outside_the_worker_tree_is_refused_before_any_chang
         now = container_procs(w.uid, first.container_id)
         assert {worker, daemon} <= set(now.tree), "the same processes"
         await override(env, w, None)
+
+
+async def test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapped_one(
+        bounded: Env, faults_launcher: Path) -> None:
+    """With the entrypoint's filter on, a ring can still reach the worker: made by a process of the
+    container's pid namespace outside the filter (nsenter from the node, as the container's user) and
+    copied in with pidfd_getfd(2) (the kernel refuses to pass one over a unix socket) by a process of
+    the worker's tree (faults_launcher.py's fd holder). Held as a descriptor, the preflight refuses it
+    (IoUringInUse at the quiesce step, the holder's pid named, no lock asked). Held only as a mapping
+    (its descriptor closed, as liburing's io_uring_close_ring_fd allows), the preflight, which looks at
+    descriptors, does not see it, and CRIU's own dump fails on it: CRIU leaves the tree running, the
+    agent names the cause from CRIU's log (IoUringInUse at the dump step) and rolls the worker back, the
+    failed dump's staging directory removed. Once the ring is gone the capture goes through and the
+    worker wakes in place, verified, the same container."""
+    env = bounded
+    async with deployed(env, holder_graph(env, "flt-uring", faults_launcher)) as g:
+        w = g.workers(WORKER_COMPONENT)[1]
+        first = await kubelet_facts(env.api, w)
+        procs = container_procs(w.uid, first.container_id)
+        assert control_file(procs.entrypoint)["seccomp"] == "on"
+        gpu = procs.root
+        answer = fd_holder(procs.entrypoint, faults_launcher, HOLDER, "hold")
+        ns = procfs.pid_ns(procs.entrypoint)
+        assert ns is not None
+        holder = next(st.pid for st in procfs.in_pid_ns(ns) if st.nspid[-1] == answer["pid"])
+        assert io_uring_fds(holder) and holder in container_procs(w.uid, first.container_id).tree
+        mark = len(env.driver.calls())
+        try:
+            await override(env, w, "suspended")
+            ws = await wait_ws(env, w, "IoUringInUse (preflight)", error_is("IoUringInUse", step="quiesce"),
+                               timeout=120)
+            err = ws["status"]["lastError"]
+            assert "processes holding io_uring" in err["message"] and str(holder) in err["message"], err
+            degraded(ws, "IoUringInUse")
+            assert [s["name"] for s in ws["status"]["lastCapture"]["steps"]] == ["quiesce"]
+            assert not [c for c in env.driver.calls()[mark:] if c.startswith("cuCheckpointProcessLock ")], \
+                "the driver was asked to lock"
+            answer = fd_holder(procs.entrypoint, faults_launcher, HOLDER, "map")
+            assert answer["mapped"] == 1 and answer["held"] == []
+            assert not io_uring_fds(holder) and io_uring_maps(holder)
+            # The next attempt (after the 1 s backoff) passes the preflight; CRIU's dump fails on the ring.
+            ws = await wait_ws(env, w, "IoUringInUse (CRIU)", error_is("IoUringInUse", step="dump"), timeout=120)
+            err = ws["status"]["lastError"]
+            assert "CRIU dump failed (io_uring)" in err["message"], err
+            assert "anon_inode:[io_uring]" in err["message"], err
+            degraded(ws, "IoUringInUse")
+            cap = ws["status"]["lastCapture"]
+            assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce", "save", "dump"], cap
+            # Active wanted again (`dynsnap wake`), so no retry runs while the node is looked at.
+            await override(env, w, "active")
+            await wait_ws(env, w, "Active wanted and reported", lambda o: bool(
+                o and o["spec"]["desiredState"] == "Active" and o["status"].get("state") == "Active"
+                and not helpers_on_node()), timeout=120)
+            assert stub_state(env.driver, gpu) == RUNNING, "the GPU process brought back"
+            assert Path(f"/proc/{holder}").exists(), "CRIU left the tree it could not dump running"
+            pod_dir = env.paths.images / f"{w.namespace}_{w.name}_{w.uid}"
+            assert not [n for n in os.listdir(pod_dir) if n.startswith(P.STAGING_PREFIX)], os.listdir(pod_dir)
+        finally:
+            fd_holder(procs.entrypoint, faults_launcher, HOLDER, "release")
+        assert not io_uring_maps(holder) and not io_uring_fds(holder)
+        mark = len(env.driver.calls())
+        await override(env, w, "suspended")
+        await captured_then_woken(env, w, "snapshot", mark)
+        await same_pod(env, w, first)

@@ -41,6 +41,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import yaml
 from controllerenv import cond, history
 from realnodecycle import pinned, state_is, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, chart_pod, launched_by, scale_controller
@@ -87,6 +88,7 @@ class Alone:
     kwok: NodePod  # a pod of a kwok node
     hostile: dict[str, NodePod]  # CONTROL_DIRS case -> a worker whose control directory leads to a node path
     node_dirs: dict[str, Path]  # CONTROL_DIRS case -> that directory of the node
+    noseccomp: NodePod  # a worker whose entrypoint installs no io_uring filter (refused SeccompOff, for good)
 
     def worker(self, i: int) -> NodePod:
         return self.graph.workers(WORKER_COMPONENT)[i]
@@ -109,17 +111,29 @@ CONTROL_DIRS = {
 }
 
 
-def _hostile_pod(live: Obj, name: str, case: str, node_dir: Path) -> Obj:
+def _pod_like(live: Obj, name: str, change: Callable[[Obj], object]) -> Obj:
     """A copy of the worker pod ``live`` (its spec, labels: the same graph's Service, so the frontend
-    routes to it once Ready) named ``name``, owned by nobody, whose entrypoint's control directory is
-    CONTROL_DIRS[case] (trustenv.hostile_control_dir): what a pod author could deploy."""
-    symlink, control, _ = CONTROL_DIRS[case]
+    routes to it once Ready) named ``name``, owned by nobody, its ``main`` container changed by
+    ``change``: what a pod author could deploy."""
     spec = copy.deepcopy(live["spec"])
-    main = next(c for c in spec["containers"] if c["name"] == "main")
-    hostile_control_dir(main, control.format(dir=node_dir), node_dir, symlink=symlink)
+    change(next(c for c in spec["containers"] if c["name"] == "main"))
     meta = live["metadata"]
     return {"apiVersion": "v1", "kind": "Pod", "spec": spec,
             "metadata": {"name": name, "namespace": meta["namespace"], "labels": dict(meta.get("labels") or {})}}
+
+
+def _hostile_pod(live: Obj, name: str, case: str, node_dir: Path) -> Obj:
+    """A copy of the worker pod whose entrypoint's control directory is CONTROL_DIRS[case]
+    (trustenv.hostile_control_dir)."""
+    symlink, control, _ = CONTROL_DIRS[case]
+    return _pod_like(live, name, lambda main: hostile_control_dir(main, control.format(dir=node_dir), node_dir,
+                                                                  symlink=symlink))
+
+
+def _no_seccomp(main: Obj) -> None:
+    """The entrypoint told not to install its io_uring filter (as test_controller_refusals.py's)."""
+    cmd: list[str] = main["command"]
+    cmd.insert(cmd.index("--"), "--no-seccomp")
 
 
 async def _running(env: Env, name: str) -> NodePod:
@@ -157,7 +171,9 @@ async def alone(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncIter
             extra[name] = _hostile_pod(live, name, case, node_dir)
             await env.api.create(R.PODS, extra[name])
             hostile[case] = await _running(env, name)
-        yield Alone(graph, bare, kwok, hostile, node_dirs)
+        extra["rfs-noseccomp"] = _pod_like(live, "rfs-noseccomp", _no_seccomp)
+        await env.api.create(R.PODS, extra["rfs-noseccomp"])
+        yield Alone(graph, bare, kwok, hostile, node_dirs, await _running(env, "rfs-noseccomp"))
     except BaseException:
         print(await chart_node.graph_logs(env, graph))
         raise
@@ -468,6 +484,61 @@ async def release(env: Env, pod: NodePod) -> None:
         await set_desired(env, pod, "Active")
         await wait_ws(env, pod, "Active (cleanup)", state_is("Active"), timeout=60)
     await gate(env, pod, True)
+
+
+# -- a refusal for good, with nobody else asking -----------------------------------------------------------
+
+def _failure_backoff(env: Env) -> float:
+    """The install's agent.failureBackoff (the chart's default unless the install sets it)."""
+    chart = yaml.safe_load((chart_node.CHART / "values.yaml").read_text())
+    return float((env.values.get("agent") or {}).get("failureBackoff", chart["agent"]["failureBackoff"]))
+
+
+async def test_a_permanent_refusal_is_not_retried_by_the_agent_until_the_spec_changes(env: Env, alone: Alone) -> None:
+    """SeccompOff will not go away while the container runs (issue 18: the agent retried it seven times in
+    160 s, with doubling backoff). With nobody else acting on the worker (the controller scaled to 0, its
+    WorkerSnapshot asked Suspended and left so), refused once, the worker stays active and the capture is
+    not tried again for that spec over two and a half failure backoffs, in which the backoff would have
+    retried it; a new spec generation (the spec written anew) is tried once more, refused again, and
+    nothing of the worker ever changed: it serves on."""
+    pod = alone.noseccomp
+    look = await Look.of(env, pod)
+    mark = len(env.driver.calls())
+    created = await env.api.create(R.WORKER_SNAPSHOTS, hostile_ws(
+        name=pod.name, namespace=pod.namespace, node=env.node.name, pod_name=pod.name, pod_uid=pod.uid))
+    try:
+        accepted = lambda ws: bool((c := cond(ws, "Accepted")) and c["status"] == "True")  # noqa: E731
+        await wait_ws(env, pod, "accepted", lambda ws: bool(
+            ws and observed(created["metadata"]["generation"])(ws) and accepted(ws)), timeout=90)
+        await gate(env, pod, False)
+        await set_desired(env, pod, "Suspended")
+        ws = await wait_ws(env, pod, "SeccompOff", lambda ws: bool(
+            ((ws or {}).get("status") or {}).get("lastError", {}).get("reason") == "SeccompOff"), timeout=120)
+        err, first = ws["status"]["lastError"], ws["status"]["lastCapture"]["id"]
+        assert err["step"] == "quiesce" and ws["status"]["consecutiveFailures"] == 1, ws["status"]
+        window = 2.5 * _failure_backoff(env)  # the backoff's first retry would have come after one
+        for _ in range(int(window)):
+            await asyncio.sleep(1.0)
+            st = (await env.api.get(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace))["status"]
+            assert st["consecutiveFailures"] == 1 and st["lastCapture"]["id"] == first, st
+            assert st["state"] == P.ObservedState.ACTIVE.value, st
+        untouched(env, {pod: look}, mark)
+        # A new intent (the spec written again: a new generation) is tried once, and refused again.
+        await set_desired(env, pod, "Active")
+        await set_desired(env, pod, "Suspended")
+        ws = await wait_ws(env, pod, "refused again", lambda ws: bool(
+            ((ws or {}).get("status") or {}).get("consecutiveFailures") == 2), timeout=120)
+        assert ws["status"]["lastCapture"]["id"] != first
+        assert ws["status"]["lastError"]["reason"] == "SeccompOff"
+        cap = ws["status"]["lastCapture"]
+        assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce"], cap
+        untouched(env, {pod: look}, mark)
+    finally:
+        with contextlib.suppress(NotFound):
+            await env.api.delete(R.WORKER_SNAPSHOTS, pod.name, namespace=pod.namespace)
+        await gate(env, pod, True)
+    await pinned(env, pod)  # never changed: it serves on
+    untouched(env, {pod: look}, mark)
 
 
 # -- idle facts at the edge ------------------------------------------------------------------------------
