@@ -1,9 +1,8 @@
 """What the API-server rows of the agent's fault matrix (test_agent_apiserver.py) need beyond
-agentenv.py: a local cluster of their own (its API server is restarted, and it keeps an audit log), the
-audit log read back as the watches each pod opened (URL, timeoutSeconds, when the server started and
-ended each), the API server's own end of a pod's connections, the agent's helpers found by what they
-are (helperprocs.py), and a CRIU that restores TCP connections closed (the real CRIU with
-fake_slow_criu linked in, its restores given a configuration of ``tcp-close``).
+agentenv.py: a local cluster of their own (its API server is restarted, and it keeps an audit log,
+read back by auditlog.py), the API server's own end of a pod's connections, the agent's helpers found
+by what they are (helperprocs.py), and a CRIU that restores TCP connections closed (the real CRIU
+with fake_slow_criu linked in, its restores given a configuration of ``tcp-close``).
 
 The cluster has its own bridge and /16 (``dsnapi0``, 10.217.0.0/16; ``DYNSNAP_TEST_APISERVER_BRIDGE``
 and ``DYNSNAP_TEST_APISERVER_CIDR`` pick another pair), so it runs beside the session's cluster.
@@ -13,98 +12,30 @@ Not collected by pytest (no ``test_`` prefix).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
-from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
+from auditlog import AuditLog, audit_policy
 from helperprocs import Helper, helpers_of
 from restart_faults import FAKE_SLOW_CRIU_ENV, build_slow_criu
 
 from dynsnap.testenv.cluster import DYNAMO_USER, LocalCluster, RunningPod
 from dynsnap.testenv.netns import SandboxNetwork
 
-# The real CRIU with --tcp-close added to a restore (see its header).
-
-# Everything Dynamo's pods ask of the API server, at Metadata level (the URL, who, when; no bodies),
-# as one event when the response starts and one when it is complete: for a watch, when the server
-# opened the stream and when it ended it. Nothing else is logged.
-AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
-kind: Policy
-omitStages: [RequestReceived]
-rules:
-- level: Metadata
-  users: [{DYNAMO_USER}]
-- level: None
-"""
-
 
 def apiserver_cluster(workdir: Path) -> tuple[LocalCluster, AuditLog]:
     """A local cluster (not started) whose API server writes the audit log returned with it."""
     workdir.mkdir(parents=True, exist_ok=True)
     policy = workdir / "audit-policy.yaml"
-    policy.write_text(AUDIT_POLICY)
+    policy.write_text(audit_policy(users=[DYNAMO_USER]))
     audit = AuditLog(workdir / "audit.log")
     net = SandboxNetwork(bridge=os.environ.get("DYNSNAP_TEST_APISERVER_BRIDGE", "dsnapi0"),
                          cidr=os.environ.get("DYNSNAP_TEST_APISERVER_CIDR", "10.217.0.0/16"))
     cluster = LocalCluster(workdir / "cluster", net=net,
                            apiserver_args=(f"--audit-policy-file={policy}", f"--audit-log-path={audit.path}"))
     return cluster, audit
-
-
-@dataclass(frozen=True)
-class Watch:
-    """One watch request as the API server audited it."""
-
-    audit_id: str
-    resource: str  # e.g. endpointslices, dynamoworkermetadatas
-    uri: str
-    started: datetime  # the server opened the stream (ResponseStarted)
-    ended: datetime | None  # the server ended it (ResponseComplete); None while it is open
-
-    @property
-    def timeout_seconds(self) -> int | None:
-        """The ``timeoutSeconds`` the client asked for (the server ends the stream after it)."""
-        values = parse_qs(urlsplit(self.uri).query).get("timeoutSeconds")
-        return int(values[0]) if values else None
-
-    @property
-    def ends_by(self) -> datetime | None:
-        t = self.timeout_seconds
-        return self.started + timedelta(seconds=t) if t is not None else None
-
-
-@dataclass(frozen=True)
-class AuditLog:
-    path: Path
-
-    def events(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
-    def watches(self, source_ip: str, *, since: datetime | None = None) -> list[Watch]:
-        """Every watch request from ``source_ip`` (a pod's IP) that started after ``since``, oldest first.
-        The streams an API server closed as it stopped get no ResponseComplete: ask for the watches
-        since the running server started (ControlPlane.apiserver_started) to leave those out."""
-        started: dict[str, dict[str, Any]] = {}
-        ended: dict[str, datetime] = {}
-        for e in self.events():
-            if e.get("verb") != "watch" or source_ip not in (e.get("sourceIPs") or []):
-                continue
-            if e["stage"] == "ResponseStarted":
-                started[e["auditID"]] = e
-            elif e["stage"] == "ResponseComplete":
-                ended[e["auditID"]] = datetime.fromisoformat(e["stageTimestamp"])
-        out = [Watch(audit_id=aid, resource=(e.get("objectRef") or {}).get("resource", ""), uri=e["requestURI"],
-                     started=datetime.fromisoformat(e["stageTimestamp"]), ended=ended.get(aid))
-               for aid, e in started.items()]
-        return sorted((w for w in out if since is None or w.started > since), key=lambda w: w.started)
 
 
 def helpers(pod: RunningPod, op: str) -> list[Helper]:

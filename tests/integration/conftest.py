@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from auditlog import AuditLog, audit_policy
 
-from dynsnap.testenv.cluster import LocalCluster
+from dynsnap.testenv.cluster import TEST_NAMESPACE, LocalCluster
 from dynsnap.testenv.netns import SandboxNetwork
 
 pytestmark = pytest.mark.cluster
@@ -46,6 +47,17 @@ def _leaks(cluster: LocalCluster) -> list[str]:
     return out
 
 
+def session_audit_path(cluster_dir: Path) -> Path:
+    """Where the session's API server writes its audit log (beside the cluster's directory)."""
+    return cluster_dir.parent / "audit.log"
+
+
+@pytest.fixture(scope="session")
+def audit(cluster: LocalCluster) -> AuditLog:
+    """The session API server's audit log (watches of the Dynamo pods' service accounts)."""
+    return AuditLog(session_audit_path(cluster.workdir))
+
+
 @pytest.fixture(scope="session")
 async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[LocalCluster]:
     _require_root()
@@ -54,7 +66,12 @@ async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[LocalCluster]
     # bridge and /16: DYNSNAP_TEST_BRIDGE / DYNSNAP_TEST_CIDR pick another pair.
     net = SandboxNetwork(bridge=os.environ.get("DYNSNAP_TEST_BRIDGE", "dsnbr0"),
                          cidr=os.environ.get("DYNSNAP_TEST_CIDR", "10.213.0.0/16"))
-    c = LocalCluster(workdir / "cluster", net=net)
+    # The API server audits the watches of the real node's Dynamo pods (their service accounts' group):
+    # node/test_long_sleep.py reads when the server ended a sleeping worker's watches (auditlog.py).
+    policy = workdir / "audit-policy.yaml"
+    policy.write_text(audit_policy(groups=[f"system:serviceaccounts:{TEST_NAMESPACE}"], verbs=["watch"]))
+    c = LocalCluster(workdir / "cluster", net=net, apiserver_args=(
+        f"--audit-policy-file={policy}", f"--audit-log-path={session_audit_path(workdir / 'cluster')}"))
     await c.start()
     try:
         yield c

@@ -4,7 +4,9 @@ package starts, one of its workers put to sleep through the override, and kubele
 read every 5 s while the package's other suites run on the same node; node/test_long_sleep.py, which
 node/conftest.py orders last in the package, then rolls the agent by ``helm upgrade``, wakes the worker
 through the next agent and asserts what the looks saw. Six minutes of sleep had a module of their own
-before; here they cost the run the start and the end only.
+before; here they cost the run the start and the end only. They are also longer than Dynamo's watches
+last (kube-client asks ``timeoutSeconds=290``): the session API server's audit log (auditlog.py) gives
+the watches the worker had open when it was frozen, which the server ends while it sleeps.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -17,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from auditlog import AuditLog, Watch
 from controllerenv import asleep, get_ws
 from realnodecycle import override, ready_is, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env
@@ -34,6 +37,13 @@ ASLEEP_S = 360.0  # six minutes: the least the sleep lasts (the package's other 
 LOOK_EVERY_S = 5.0  # as often as the example's liveness probe
 MAX_LOOKS = 480  # 40 minutes of looks at most: longer than the package runs
 LIVENESS = {"periodSeconds": 5, "failureThreshold": 1}  # Dynamo's, as examples/dgd/agg.yaml ships them
+WATCHED = {"endpointslices", "dynamoworkermetadatas"}  # what a Dynamo 1.6.1 worker watches (DESIGN.md 3.4)
+
+
+def open_watches(env: Env, audit: AuditLog, w: NodePod) -> list[Watch]:
+    """The worker's watches the running API server has open (started since it started, not ended)."""
+    assert env.cluster.cp is not None
+    return [x for x in audit.watches(w.ip, since=env.cluster.cp.apiserver_started) if x.ended is None]
 
 
 @dataclass
@@ -50,6 +60,8 @@ class LongSleep:
     entrypoint: int
     slept: Obj  # the WorkerSnapshot once asleep
     since: float  # time.monotonic() when it was seen asleep
+    audit: AuditLog
+    frozen: list[Watch]  # the worker's watches open when it was frozen (the server will end them)
     looks: list[KubeletFacts] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
@@ -90,9 +102,10 @@ class LongSleep:
 
 
 @contextlib.asynccontextmanager
-async def sleeping(env: Env) -> AsyncIterator[LongSleep]:
-    """The long-sleep graph deployed Ready, one worker asleep (tier snapshot) and looked at from then on;
-    the graph deleted after. ``env.graph``/``env.fe`` stay the tests' (this graph is not theirs)."""
+async def sleeping(env: Env, audit: AuditLog) -> AsyncIterator[LongSleep]:
+    """The long-sleep graph deployed Ready, one worker asleep (tier snapshot) with both its watches open
+    when frozen, and looked at from then on; the graph deleted after. ``env.graph``/``env.fe`` stay the
+    tests' (this graph is not theirs)."""
     body = chart_node.example_body(env, policy={"dynsnap.io/tier": "snapshot"}, name=GRAPH)
     graph = await chart_node.deploy_example(env, body)
     fe = env.fe
@@ -102,11 +115,18 @@ async def sleeping(env: Env) -> AsyncIterator[LongSleep]:
         w = graph.workers(WORKER_COMPONENT)[0]
         first = await kubelet_facts(env.api, w)
         ep = container_procs(w.uid, first.container_id).entrypoint
+
+        async def watching() -> bool:  # both open, not in a reconnect's backoff, to be frozen in the image
+            return {x.resource for x in open_watches(env, audit, w)} >= WATCHED
+        await wait_for(f"{w.name} watching {sorted(WATCHED)} (the audit log)", watching, timeout=120, interval=1)
         await override(env, w, "suspended")
         slept = await wait_ws(env, w, "the long sleep's worker asleep (snapshot)", asleep)
         assert slept["status"]["lastCapture"]["ok"] is True and slept["status"]["lastCapture"]["tier"] == "snapshot"
+        frozen = [x for x in open_watches(env, audit, w) if x.resource in WATCHED]
+        assert {x.resource for x in frozen} == WATCHED and all(x.timeout_seconds for x in frozen), \
+            [x.uri for x in frozen]
         await wait_for(f"{w.name} not Ready while asleep", lambda: ready_is(env, w, False), timeout=60, interval=0.5)
-        sleep = LongSleep(env, graph, fe, w, first, ep, slept, time.monotonic())
+        sleep = LongSleep(env, graph, fe, w, first, ep, slept, time.monotonic(), audit, frozen)
         sleep.start()
         try:
             yield sleep

@@ -49,8 +49,6 @@ from agentenv import (
     ws_body,
 )
 from apiserver_env import (
-    AuditLog,
-    Watch,
     apiserver_cluster,
     helpers,
     keep_logs,
@@ -58,6 +56,7 @@ from apiserver_env import (
     server_ends,
     tcp_close_criu,
 )
+from auditlog import AuditLog, Watch
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P

@@ -25,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # controllerenv, realnodeenv, ...
 
+from auditlog import AuditLog
 from longsleep import LongSleep, sleeping
 from otlp_collector import Collector, collecting
 from realnodeenv import SHARED_VALUES, Env, installed
@@ -65,8 +66,8 @@ async def env(cluster: LocalCluster, otlp: Collector, tmp_path_factory: pytest.T
 
 
 @pytest.fixture(scope="package")
-async def long_sleep(env: Env) -> AsyncIterator[LongSleep]:
-    async with sleeping(env) as s:
+async def long_sleep(env: Env, audit: AuditLog) -> AsyncIterator[LongSleep]:
+    async with sleeping(env, audit) as s:
         yield s
 
 

@@ -7,12 +7,16 @@ orders this test last in it, so the sleep runs while the other suites use the no
 from __future__ import annotations
 
 import copy
+import re
+from datetime import UTC, datetime
 
 import pytest
 from controllerenv import Load, events_for, get_ws, verified_after
-from longsleep import ASLEEP_S, LIVENESS, LongSleep
+from longsleep import ASLEEP_S, LIVENESS, WATCHED, LongSleep
 from realnodecycle import override, proven, same_pod, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, chart_pod, upgrade
+from realnodeenv import NS, WORKER_COMPONENT, Env, chart_pod, upgrade
+
+from dynsnap.testenv.cluster import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.last_in_package]
 
@@ -24,8 +28,14 @@ async def test_asleep_through_the_package_under_dynamos_liveness_settings_then_a
     while the other suites deploy, capture, wake and restart the controller on the node: at every look
     (5 s) kubelet reports the same container, running, never restarted, not Ready (the gate), its PID 1
     the same process, the WorkerSnapshot asleep on its capture; no liveness failure and no kill in the
-    pod's Events. Then ``helm upgrade`` of the agent rolls its pod, and the next agent wakes the worker in
-    place, verified by pinned requests, while unpinned requests served by its peer never fail."""
+    pod's Events. The API server ended every watch the worker had open when it was frozen (its audit log:
+    Dynamo's watches last ``timeoutSeconds=290``), into connections frozen in the image. Then ``helm
+    upgrade`` of the agent rolls its pod, and the next agent wakes the worker in place, verified by pinned
+    requests, while unpinned requests served by its peer never fail; the worker watches both resources
+    again within a minute of its wake (by the audit log), not after kube-client's read timeout of 295 s
+    (what test_agent_apiserver.py measured in the sandboxes, 275-294 s, before the agent reset a woken
+    worker's connections to the API server), and the agent looked for those connections to reset
+    (its log gives how many it reset: printed; test_agent_apiserver.py proves the reset itself)."""
     s, w = long_sleep, long_sleep.worker
     example = next(c for c in s.graph.dgd["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     main = next(c for c in example["podTemplate"]["spec"]["containers"] if c["name"] == "main")
@@ -34,6 +44,17 @@ async def test_asleep_through_the_package_under_dynamos_liveness_settings_then_a
     await s.stop_looking()
     assert len(s.looks) >= ASLEEP_S / 5 * 0.9, f"{len(s.looks)} looks in {ASLEEP_S:.0f} s or more"
     assert not s.wrong, s.wrong[:10]
+    captured = datetime.fromisoformat(s.slept["status"]["lastCapture"]["finished"])
+
+    async def all_ended() -> bool:
+        ended = {x.audit_id: x.ended for x in s.audit.watches(w.ip)}
+        return all(ended.get(x.audit_id) for x in s.frozen)
+    await wait_for("the API server ending every watch the sleeping worker had open", all_ended, timeout=60,
+                   interval=1)
+    ended = {x.audit_id: x.ended for x in s.audit.watches(w.ip)}
+    for x in s.frozen:
+        end = ended[x.audit_id]
+        assert end is not None and end > captured, (x.uri, end, captured)  # ended while it slept
 
     load = Load(s.fe, concurrency=1, pause=1.0, max_tokens=2)
     load.start()
@@ -45,6 +66,7 @@ async def test_asleep_through_the_package_under_dynamos_liveness_settings_then_a
         new = await chart_pod(env, "agent")
         assert new["metadata"]["uid"] != old["metadata"]["uid"], "helm upgrade rolled the agent's pod"
         before = (((await get_ws(env.api, w)) or {}).get("status") or {}).get("lastWake", {}).get("id")
+        woken_at = datetime.now(UTC)
         await override(env, w, "active")
         woken = await wait_ws(env, w, "woken and verified", verified_after(before))
     finally:
@@ -52,6 +74,13 @@ async def test_asleep_through_the_package_under_dynamos_liveness_settings_then_a
     assert load.results and not load.failures(), load.failures()[:5]
     await proven(env, w, woken, "snapshot")
     await same_pod(env, w, s.first)
+
+    async def watching_again() -> bool:
+        return {x.resource for x in s.audit.watches(w.ip, since=woken_at)} >= WATCHED
+    await wait_for("the woken worker watching the API server again", watching_again, timeout=60, interval=1)
+    agent_log = await env.pod_log(NS, new["metadata"]["name"], "agent", tail=5000)
+    reset = re.findall(r"reset (\d+) connection\(s\) of the woken worker to the API server", agent_log)
+    assert reset, "the next agent looked for the woken worker's connections to the API server"
     killed = [e for e in await events_for(env.api, w.namespace, w.name)
               if (e.get("regarding") or {}).get("uid") == w.uid
               and (e.get("reason") == "Killing" or "Liveness probe failed" in (e.get("note") or ""))]
@@ -60,4 +89,5 @@ async def test_asleep_through_the_package_under_dynamos_liveness_settings_then_a
     assert now_agent["metadata"]["name"] == new["metadata"]["name"] and now_agent["status"]["containerStatuses"][0][
         "restartCount"] == 0, now_agent["status"]
     print(f"\nasleep {len(s.looks) * 5:.0f} s or so under /live every 5 s: {len(s.looks)} looks, the same container, "
-          f"restartCount {s.first.restart_count}; woken by {new['metadata']['name']}")
+          f"restartCount {s.first.restart_count}; woken by {new['metadata']['name']}, which reset {reset[-1]} of "
+          f"its connections to the API server; its {len(s.frozen)} watches ended by the server while it slept")
