@@ -57,8 +57,8 @@ FAULTS_VOLUME = "engine-faults"
 DISAGG = chart_node.ROOT / "examples" / "dgd" / "disagg.yaml"
 # Not opted in: the chart's controller only lets the gated pods serve, and no WorkerSnapshot exists, so
 # the chart's agent leaves the engine alone. (Opted in, the process this module checkpoints with
-# dynsnap-cuda was running again, the held request answered, before the test saw it held: the agent
-# keeps an Active worker's GPU processes running.)
+# dynsnap-cuda was running again, the held request answered, before the test saw it held: most likely
+# the agent bringing an Active worker's GPU processes back to running; not looked into.)
 POLICY = {P.ANN_ENABLED: "false"}
 
 
