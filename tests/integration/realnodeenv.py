@@ -32,8 +32,8 @@ from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 __all__ = ["DAEMON_SETS", "DEPLOYMENTS", "NODE", "NS", "RELEASE", "SHARED_VALUES", "TWO_GPU_PROCESSES",
            "WORKER_COMPONENT", "Env", "ServingLooks",
            "agent_off_node", "api_server_env", "chart_pod", "component_policy", "controller_through_proxy", "deployed",
-           "edit_dgd", "installed", "instance_id", "launched_by", "running", "scale_controller", "upgrade",
-           "worker_main"]
+           "edit_dgd", "host_dir_mounted", "installed", "instance_id", "launched_by", "running", "scale_controller",
+           "upgrade", "worker_main"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -170,6 +170,17 @@ def worker_main(body: Obj) -> Obj:
     """The worker component's ``main`` container in ``body`` (examples/dgd/agg.yaml's), to edit in place."""
     worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     main: Obj = next(c for c in worker["podTemplate"]["spec"]["containers"] if c["name"] == "main")
+    return main
+
+
+def host_dir_mounted(body: Obj, volume: str, directory: Path) -> Obj:
+    """``body`` whose worker's ``main`` container mounts ``directory`` of the node read-only at the same path
+    (a hostPath volume named ``volume``); returns that container, to edit further."""
+    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
+    worker["podTemplate"]["spec"].setdefault("volumes", []).append(
+        {"name": volume, "hostPath": {"path": str(directory), "type": "Directory"}})
+    main = worker_main(body)
+    main.setdefault("volumeMounts", []).append({"name": volume, "mountPath": str(directory), "readOnly": True})
     return main
 
 

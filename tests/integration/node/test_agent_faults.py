@@ -40,7 +40,7 @@ from faultsenv import (
     stub_calls,
 )
 from realnodecycle import back_after_refusal, override, pinned, proven, same_pod, wait_ws
-from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, launched_by, upgrade, worker_main
+from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, host_dir_mounted, launched_by, upgrade
 from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
 
 from dynsnap.k8s.client import Obj
@@ -116,12 +116,7 @@ def holder_graph(env: Env, name: str, launcher: Path) -> Obj:
     runtime's default seccomp profile (containerd's) refuses pidfd_getfd(2) to a container without it
     (EPERM), so only such a container's processes can take a descriptor from another process."""
     body = graph(env, name, "snapshot", f'exec python3 {launcher} --fd-holder {HOLDER} -- "$@"')
-    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
-    worker["podTemplate"]["spec"].setdefault("volumes", []).append(
-        {"name": FAULTS_VOLUME, "hostPath": {"path": str(launcher.parent), "type": "Directory"}})
-    main = worker_main(body)
-    main.setdefault("volumeMounts", []).append(
-        {"name": FAULTS_VOLUME, "mountPath": str(launcher.parent), "readOnly": True})
+    main = host_dir_mounted(body, FAULTS_VOLUME, launcher.parent)
     main["securityContext"]["capabilities"]["add"].append("SYS_PTRACE")
     return body
 
@@ -154,6 +149,19 @@ def no_image_of(env: Env, w: NodePod) -> bool:
     """No directory of the worker's pod under the node's images root holds anything."""
     images = env.paths.images
     return not [p for p in images.iterdir() if w.uid in p.name and any(p.iterdir())] if images.is_dir() else True
+
+
+def images_dir_of(env: Env, w: NodePod) -> Path:
+    """The worker pod's directory under the node's images root (the agent's images.pod_dir)."""
+    return env.paths.images / f"{w.namespace}_{w.name}_{w.uid}"
+
+
+async def active_again(env: Env, w: NodePod) -> None:
+    """After ``dynsnap wake`` of a worker whose capture failed: Active wanted and reported, no helper
+    running (so no retry runs while the test looks at the node)."""
+    await wait_ws(env, w, "Active wanted and reported", lambda o: bool(
+        o and o["spec"]["desiredState"] == "Active" and o["status"].get("state") == "Active"
+        and not helpers_on_node()), timeout=120)
 
 
 async def worker_gpu_pid(env: Env, w: NodePod) -> int:
@@ -432,7 +440,7 @@ async def test_a_disk_full_mid_dump_fails_with_enospc_and_the_worker_is_rolled_b
         gpu = await worker_gpu_pid(env, w)
         (agent,) = await env.chart_pods("agent")
         agent_pid = container_pid(agent, "agent")
-        pod_dir = env.paths.images / f"{w.namespace}_{w.name}_{w.uid}"  # the agent's images.pod_dir
+        pod_dir = images_dir_of(env, w)
         pod_dir.mkdir(mode=0o700, exist_ok=True)
         seen = Path(f"/proc/{agent_pid}/root") / str(pod_dir).lstrip("/")  # the agent's view of it
         mount_in(agent_pid, pod_dir, f"size=1g,nr_inodes={FULL_INODES},mode=0700")
@@ -449,9 +457,7 @@ async def test_a_disk_full_mid_dump_fails_with_enospc_and_the_worker_is_rolled_b
             # Active wanted again (`dynsnap wake`: the planner counts a capturing worker asleep, so only the
             # override calls the capture off): no retry while the staging directory is looked at.
             await override(env, w, "active")
-            await wait_ws(env, w, "Active wanted and reported", lambda o: bool(
-                o and o["spec"]["desiredState"] == "Active" and o["status"].get("state") == "Active"
-                and not helpers_on_node()), timeout=120)
+            await active_again(env, w)
             assert not [n for n in os.listdir(seen) if n.startswith(P.STAGING_PREFIX)], os.listdir(seen)
             assert os.statvfs(seen).f_ffree > 0, "the failed dump's files are gone"
             assert Path(f"/proc/{gpu}").exists() and stub_state(env.driver, gpu) == RUNNING, "the same process"
@@ -556,12 +562,10 @@ async def test_io_uring_ring_in_the_worker_tree_is_refused_and_criu_names_a_mapp
             assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce", "save", "dump"], cap
             # Active wanted again (`dynsnap wake`), so no retry runs while the node is looked at.
             await override(env, w, "active")
-            await wait_ws(env, w, "Active wanted and reported", lambda o: bool(
-                o and o["spec"]["desiredState"] == "Active" and o["status"].get("state") == "Active"
-                and not helpers_on_node()), timeout=120)
+            await active_again(env, w)
             assert stub_state(env.driver, gpu) == RUNNING, "the GPU process brought back"
             assert Path(f"/proc/{holder}").exists(), "CRIU left the tree it could not dump running"
-            pod_dir = env.paths.images / f"{w.namespace}_{w.name}_{w.uid}"
+            pod_dir = images_dir_of(env, w)
             assert not [n for n in os.listdir(pod_dir) if n.startswith(P.STAGING_PREFIX)], os.listdir(pod_dir)
         finally:
             fd_holder(procs.entrypoint, faults_launcher, HOLDER, "release")

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from controllerenv import asleep, cond, events_for, verified_after
 from realnodecycle import back_after_refusal, override, pinned, proven, same_pod, wait_ws
-from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, launched_by, worker_main
+from realnodeenv import TWO_GPU_PROCESSES, WORKER_COMPONENT, Env, deployed, host_dir_mounted, launched_by
 from realnodefacts import KubeletFacts, container_procs, kubelet_facts, stub_state
 from refusalenv import NCCL_SAFE, build_fake_nccl, maps, refused_or_capturing, state_changes_since
 
@@ -53,13 +53,7 @@ def ranks_graph(env: Env, name: str, nccl: Path, *, safe: bool) -> Obj:
     whose worker is started by the launcher with fake_nccl preloaded, with the NCCL settings or without."""
     body = launched_by(chart_node.example_body(env, name=name, worker_replicas=2,
                                                policy={"dynsnap.io/tier": "suspend"}), TWO_GPU_PROCESSES)
-    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
-    spec = worker["podTemplate"]["spec"]
-    main = worker_main(body)
-    spec.setdefault("volumes", []).append(
-        {"name": NCCL_VOLUME, "hostPath": {"path": str(nccl.parent), "type": "Directory"}})
-    main.setdefault("volumeMounts", []).append({"name": NCCL_VOLUME, "mountPath": str(nccl.parent),
-                                                "readOnly": True})
+    main = host_dir_mounted(body, NCCL_VOLUME, nccl.parent)
     env_vars: list[Obj] = main.setdefault("env", [])
     preload = next(e for e in env_vars if e["name"] == "LD_PRELOAD")  # the stub driver's (stub_gpu_stack)
     preload["value"] = f"{preload['value']} {nccl}"

@@ -34,13 +34,11 @@ from typing import Any
 
 import httpx
 import pytest
-from realnodeenv import WORKER_COMPONENT, Env, deployed, worker_main
+from realnodeenv import WORKER_COMPONENT, Env, deployed, host_dir_mounted, instance_id
 from realnodefacts import container_procs, kubelet_facts
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import protocol as P
-from dynsnap.models import resources as R
-from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import wait_for
@@ -75,10 +73,6 @@ class Seng:
         return self.graph.workers(WORKER_COMPONENT)[0]
 
 
-async def instance_id(env: Env, pod: NodePod) -> int:
-    return instance_id_from_dwm(await env.api.get(R.DWMS, pod.name, namespace=pod.namespace))
-
-
 @pytest.fixture(scope="module")
 async def seng(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Seng]:
     """examples/dgd/agg.yaml with one stand-in engine worker whose fault file is in a directory of the
@@ -88,11 +82,7 @@ async def seng(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncItera
     fault_file = faults / "faults"
     engine = Engine(gib=WEIGHTS_GIB, kv_gib=KV_GIB, extra=("--fault-file", str(fault_file)))
     body = chart_node.example_body(env, name="seng", worker_replicas=1, engine=engine, policy=POLICY)
-    worker = next(c for c in body["spec"]["components"] if c["name"] == WORKER_COMPONENT)
-    worker["podTemplate"]["spec"].setdefault("volumes", []).append(
-        {"name": FAULTS_VOLUME, "hostPath": {"path": str(faults), "type": "Directory"}})
-    worker_main(body).setdefault("volumeMounts", []).append(
-        {"name": FAULTS_VOLUME, "mountPath": str(faults), "readOnly": True})
+    host_dir_mounted(body, FAULTS_VOLUME, faults)
     async with deployed(env, body) as g:
         fe = D.FrontendClient(g.frontend)
         try:
