@@ -79,12 +79,24 @@ class StubDriver:
         return {"DYNSNAP_LIBCUDA": str(self.libcuda), "DYNSNAP_LIBNVML": str(self.libnvml),
                 "DYNSNAP_STUB_DIR": str(self.state_dir)}
 
+    def control_lines(self) -> list[str]:
+        f = self.state_dir / "control"
+        return f.read_text().splitlines() if f.exists() else []
+
+    def set_control(self, lines: list[str]) -> None:
+        """Replace the control file whole (a rename): the stub reads it on every call, from other
+        processes while a test changes it, and a truncated file read mid-write would drop ``nskey 0``
+        (a process's state then looked up under its host pid: a lock seen as never taken)."""
+        f = self.state_dir / "control"
+        tmp = f.with_name(f".control.{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, f)
+
     def control(self, line: str) -> None:
-        with open(self.state_dir / "control", "a") as f:
-            f.write(line + "\n")
+        self.set_control([*self.control_lines(), line])
 
     def clear_faults(self) -> None:
-        (self.state_dir / "control").write_text("nskey 0\n")
+        self.set_control(["nskey 0"])
 
     def states(self) -> dict[int, int]:
         f = self.state_dir / "state"

@@ -46,9 +46,7 @@ def helpers(pidns: int, pid1: int) -> list[Helper]:
 
 def unhang(driver: StubDriver) -> None:
     """Drop the stub driver's ``hang`` lines, keep the rest of its control file (``nskey``, ``mem``)."""
-    path = driver.state_dir / "control"
-    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
-                            if not line.startswith("hang ")))
+    driver.set_control([line for line in driver.control_lines() if not line.startswith("hang ")])
 
 
 # -- the worker's entrypoint --------------------------------------------------------------------

@@ -29,6 +29,7 @@ Not collected by pytest (no ``test_`` prefix).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -441,6 +442,15 @@ FAULTS: dict[str, Fault] = {
 }
 
 
+async def _why(rig: Rig) -> None:
+    """On a failed row: the stub driver's last calls and the WorkerSnapshot's conditions (pytest
+    shows what a failed test printed), where a record alone does not say why a step was chosen."""
+    print("stub driver, last calls:", *rig.driver.calls()[-30:], sep="\n  ")
+    with contextlib.suppress(Exception):
+        ws = await rig.api.get(R.WORKER_SNAPSHOTS, rig.pod.name, namespace=rig.pod.namespace)
+        print("conditions:", *((ws.get("status") or {}).get("conditions") or []), sep="\n  ")
+
+
 async def run_row(rig: Rig, row: Row) -> None:
     """One row, from a fresh WorkerSnapshot (tier ``row.tier``) of the awake, serving worker to the same
     worker awake and serving again."""
@@ -509,6 +519,9 @@ async def run_row(rig: Rig, row: Row) -> None:
             "the container never restarted (the same entrypoint, started when it was)"
         assert await rig.restarts() == restarts
         await rig.answered(f"after {row}")
+    except BaseException:
+        await _why(rig)
+        raise
     finally:
         rig.driver.clear_faults()
         rig.criu.reset()

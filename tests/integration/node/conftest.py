@@ -32,9 +32,10 @@ from realnodeenv import SHARED_VALUES, Env, installed
 
 from dynsnap.testenv.cluster import LocalCluster
 
-# The most workers one test runs at once (the disaggregated graph: 2 prefill, 2 decode), and the long
-# sleep's graph (2 workers) beside it.
-GPUS = 6
+# The most pods asking for a GPU that one module runs at once (node/test_agent_refusals.py: its graph's
+# 2 workers and 3 copies of a worker pod), and the long sleep's graph (2 workers) beside it. Kubelet
+# admits a pod bound to the node only while one is free; the copies name the node themselves.
+GPUS = 8
 HERE = Path(__file__).resolve().parent
 
 

@@ -139,8 +139,11 @@ def _no_seccomp(main: Obj) -> None:
 async def _running(env: Env, name: str) -> NodePod:
     async def up() -> Obj | None:
         p = await env.api.get(R.PODS, name, namespace=TEST_NAMESPACE)
-        running = any("running" in (c.get("state") or {}) for c in p["status"].get("containerStatuses") or [])
-        return p if running and p["status"].get("podIP") else None
+        status = p["status"]
+        if status.get("phase") == "Failed":  # kubelet refused it (e.g. OutOfnvidia.com/gpu): no wait helps
+            raise AssertionError(f"pod {name} failed: {status.get('reason')}: {status.get('message')}")
+        running = any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or [])
+        return p if running and status.get("podIP") else None
     p = await wait_for(f"pod {name} running", up, timeout=120, interval=0.5)
     return NodePod(name, TEST_NAMESPACE, p["metadata"]["uid"], p["status"]["podIP"], p["spec"]["nodeName"])
 
