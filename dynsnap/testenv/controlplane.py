@@ -65,6 +65,9 @@ class ControlPlane:
     apiserver_args: tuple[str, ...] = ()
     apiserver: Supervised | None = None
     apiserver_started: datetime | None = None  # when the running API server process was started (UTC)
+    # (stopped, started again or None while down) of each restart_apiserver, UTC: the windows in which a
+    # client's request failing is the restart's doing, not the client's
+    apiserver_restarts: list[tuple[datetime, datetime | None]] = field(default_factory=list)
 
     @property
     def logs_dir(self) -> Path:
@@ -202,6 +205,8 @@ class ControlPlane:
         ``while_down`` if given, and start it again with the same flags on the same port, also when
         ``while_down`` raised; returns once it answers /readyz."""
         assert self.apiserver is not None, "control plane not started"
+        stopped = datetime.now(UTC)
+        self.apiserver_restarts.append((stopped, None))
         await self.apiserver.stop()
         try:
             if while_down is not None:
@@ -210,6 +215,11 @@ class ControlPlane:
             self.apiserver_started = datetime.now(UTC)
             await self.apiserver.start()
             await self._apiserver_ready(timeout=timeout)
+            self.apiserver_restarts[-1] = (stopped, datetime.now(UTC))
+
+    def apiserver_restarted_within(self, start: datetime, end: datetime) -> bool:
+        """Whether the API server was down (by restart_apiserver) at some time from ``start`` to ``end``."""
+        return any(down <= end and (up is None or up >= start) for down, up in self.apiserver_restarts)
 
     async def compact_etcd(self) -> int:
         """Compact etcd's history up to its current revision, as the API server does every

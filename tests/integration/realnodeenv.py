@@ -30,10 +30,10 @@ from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy
 
 __all__ = ["DAEMON_SETS", "DEPLOYMENTS", "NODE", "NS", "RELEASE", "SHARED_VALUES", "TWO_GPU_PROCESSES",
-           "WORKER_COMPONENT", "Env", "ServingLooks",
-           "agent_off_node", "api_server_env", "chart_pod", "component_policy", "controller_through_proxy", "deployed",
-           "edit_dgd", "host_dir_mounted", "installed", "instance_id", "launched_by", "running", "scale_controller",
-           "upgrade", "worker_main"]
+           "WORKER_COMPONENT", "Env", "ServingLooks", "agent_off_node", "api_server_env", "chart_pod",
+           "component_policy", "controller_through_proxy", "deployed", "edit_dgd", "host_dir_mounted", "installed",
+           "instance_id", "kubernetes_service", "launched_by", "running", "scale_controller", "upgrade",
+           "worker_main"]
 
 # The chart values of the install tests/integration/node/ shares, over the tests' chart_values: the
 # controller's wake deadline short enough for a test to wait it out (test_controller_wake_deadline.py),
@@ -207,6 +207,13 @@ async def edit_dgd(env: Env, graph: real_graph.Graph, change: Callable[[Obj], No
         except Conflict:
             continue
     raise AssertionError("10 conflicting DGD writes in a row")
+
+
+async def kubernetes_service(env: Env) -> tuple[str, int]:
+    """The ``kubernetes`` Service's address (cluster IP, port): the API server as a pod's sockets see it
+    (stub_kube_proxy rewrites it in the pod's network namespace, as kube-proxy would)."""
+    svc = await env.api.get(R.SERVICES, "kubernetes", namespace="default")
+    return svc["spec"]["clusterIP"], int(svc["spec"]["ports"][0]["port"])
 
 
 async def chart_pod(env: Env, component: str) -> Obj:

@@ -18,20 +18,28 @@ pod); besides the facts test_real_node_wake.py checks (the container, its namesp
   by the woken pod's processes; CRIU's log naming the CUDA plugin; nothing of the container's steering
   CRIU (a CRIU configuration at CRIU's default paths naming an action script: never run);
 - the agent's Events about the WorkerSnapshot; a snapshot's image deleted once woken from;
-- twenty snapshot cycles of one worker in a row, each a new capture of the same worker.
+- twenty snapshot cycles of one worker in a row, each a new capture of the same worker;
+- a snapshot sleep longer than the agent's --reset-apiserver-connections-after (30 s, the chart's
+  default): the agent resets the woken worker's connections to the API server, and the worker watches
+  again at once on new ones (the session API server's audit log).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from agentenv import tcp_established
+from auditlog import AuditLog
 from controllerenv import get_ws
-from realnodecycle import cycle, same_pod
-from realnodeenv import Env, deployed
+from longsleep import WATCHED, open_watches
+from realnodecycle import cycle, same_pod, trickle
+from realnodeenv import NS, Env, chart_pod, deployed, kubernetes_service
 from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
 from trustenv import plant_criu_config
 
@@ -51,6 +59,8 @@ CHECKPOINTED, RUNNING = 2, 0  # the stub driver's states
 CYCLES = 20
 # The agent image's CRIU and its CUDA plugin (hack/lib-images.sh), in the agent's container.
 AGENT_IMAGE_FILES = ("/usr/local/sbin/criu", "/usr/local/lib/criu/cuda_plugin.so")
+RESET_AFTER_S = 30.0  # the agent's --reset-apiserver-connections-after, which the chart leaves at its default
+RESET_LOG = re.compile(r"reset (\d+) connection\(s\) of the woken worker to the API server")
 
 
 def graph(env: Env, name: str, tier: str) -> Obj:
@@ -75,11 +85,6 @@ async def _endpoint_becomes(env: Env, w: NodePod, ready: bool) -> None:
     async def reached() -> bool:
         return await _endpoint_ready(env, w) is ready
     await wait_for(f"{w.name}'s endpoint ready={ready}", reached, timeout=60, interval=0.25)
-
-
-async def _service(env: Env) -> tuple[str, int]:
-    svc = await env.api.get(R.SERVICES, "kubernetes", namespace="default")
-    return svc["spec"]["clusterIP"], int(svc["spec"]["ports"][0]["port"])
 
 
 async def _agent_root(env: Env) -> Path:
@@ -132,7 +137,7 @@ async def test_a_worker_through_each_tier_and_back_is_the_same_worker(env: Env, 
         iid = before["instance"]
         assert isinstance(iid, int)
         before_ids = await _pinned(env, iid, n=1)
-        api_server = await _service(env)
+        api_server = await kubernetes_service(env)
         conns = tcp_established(ep, remote=api_server)
         assert conns, "the worker holds TCP connections to the API server (its discovery watches)"
         assert await _endpoint_ready(env, w) is True
@@ -236,3 +241,51 @@ async def test_twenty_snapshot_cycles_of_one_worker_in_a_row(env: Env) -> None:
         await same_pod(env, w, first)
         ws = await get_ws(env.api, w)
         assert ws is not None and ws["status"]["state"] == "Active"
+
+
+async def test_a_sleep_past_reset_after_resets_the_workers_api_server_connections(env: Env,
+                                                                                       audit: AuditLog) -> None:
+    """Asleep (snapshot) longer than --reset-apiserver-connections-after, the worker's connections to
+    the API server come back from the image as they were frozen, while the server went on (a watch it
+    ended meanwhile leaves such a connection half-open: nothing arrives on it until kube-client's read
+    timeout, 295 s). The agent resets them at the restore: its log counts them (at most the frozen
+    ones), none of the frozen ones is left, the worker watches both resources again on new
+    connections within a minute (the audit log), the wake is verified by pinned requests, and
+    unpinned requests served by its peer meanwhile never fail. (The frontend's own connection to
+    the worker is not one to look at: it drops it when the worker leaves serving.)"""
+    async with deployed(env, graph(env, "agt-reset", "snapshot")) as g:
+        w = g.workers(WORKER)[0]
+        first = await kubelet_facts(env.api, w)
+        ep = container_procs(w.uid, first.container_id).entrypoint
+        api_server = await kubernetes_service(env)
+
+        async def watching() -> bool:  # both open, not in a reconnect's backoff, to be frozen in the image
+            return {x.resource for x in open_watches(env, audit, w)} >= WATCHED
+        await wait_for(f"{w.name} watching {sorted(WATCHED)} (the audit log)", watching, timeout=120, interval=1)
+        frozen = tcp_established(ep, remote=api_server)
+        assert frozen, "the worker holds TCP connections to the API server (its discovery watches)"
+        agent = (await chart_pod(env, "agent"))["metadata"]["name"]
+        logged_before = len(RESET_LOG.findall(await env.pod_log(NS, agent, "agent", tail=100000)))
+        woken_at: list[datetime] = []
+
+        async def past_reset_after(ws: Obj) -> None:
+            asleep_s = (datetime.now(UTC) - datetime.fromisoformat(ws["status"]["lastCapture"]["finished"])
+                        ).total_seconds()
+            await asyncio.sleep(max(RESET_AFTER_S + 5 - asleep_s, 0))
+            woken_at.append(datetime.now(UTC))
+        async with trickle(env):
+            woken = await cycle(env, w, "snapshot", past_reset_after)
+        assert [s["name"] for s in woken["status"]["lastWake"]["steps"]] == ["wake", "restore", "resume",
+                                                                            "settle-active"]
+        resets = RESET_LOG.findall(await env.pod_log(NS, agent, "agent", tail=100000))[logged_before:]
+        # One reset, of the connections restored from the image: ss -K names the API server's address
+        # and port, so no other connection of the worker's is touched.
+        assert len(resets) == 1 and 1 <= int(resets[0]) <= len(frozen), (resets, frozen)
+        assert not tcp_established(ep, remote=api_server) & frozen, "a frozen API-server connection is left"
+
+        async def watching_again() -> bool:
+            return {x.resource for x in audit.watches(w.ip, since=woken_at[0])} >= WATCHED
+        await wait_for("the woken worker watching the API server again", watching_again, timeout=60, interval=1)
+        await same_pod(env, w, first)
+        print(f"\nasleep past {RESET_AFTER_S:.0f} s: the agent reset {resets[0]} connection(s) to the API server "
+              f"of {len(frozen)} frozen")
