@@ -5,8 +5,8 @@ to the test that ran them (pytest's own accounting).
 
   python bench/test_times.py [REPORT.xml]   # default: the newest report kept
 
-``./run test`` runs test_agent_apiserver.py in a pytest of its own beside the suite: its report is
-``side-*.xml`` beside the suite's ``pytest-*.xml`` (pass it to see it; the default is the suite's).
+Runs before 2026-12-07 also kept ``side-*.xml``, the report of test_agent_apiserver.py (since deleted),
+which ran in a pytest of its own beside the suite (pass it to see it).
 
 Prints one line per file: seconds, share of the run, tests, path.
 """
@@ -23,7 +23,6 @@ from pathlib import Path
 
 def newest_report() -> Path:
     reports = Path(os.environ.get("DYNSNAP_CACHE", Path.home() / ".cache" / "dynsnap")) / "test-reports"
-    # pytest-*.xml: the suite's; side-*.xml: test_agent_apiserver.py, run beside it (./run test)
     found = sorted(reports.glob("pytest-*.xml"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise SystemExit(f"no report in {reports}: run ./run test first")

@@ -8,7 +8,7 @@ environment of `./run env` (most rows run integration tests: one local cluster p
 
 The cluster gets its own bridge and /16 (dsnmut0, 10.216.0.0/16) unless DYNSNAP_TEST_BRIDGE /
 DYNSNAP_TEST_CIDR say otherwise, so a run can go beside a developer's test session; do not run it
-beside tests/integration/test_sandbox.py or test_demo.py. Every mutated module is imported only
+beside tests/integration/test_demo.py. Every mutated module is imported only
 by the pytest process, so the file is restored as soon as pytest has collected
 (tests/mutation/early_restore.py): the tree holds a mutant for seconds, not for the whole run.
 tests/mutation/runner.py says how a run goes and what each outcome means.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.mutation.runner import Suite, main, mutation
 
-KUBELET = "dynsnap/testenv/kubelet.py"
+READY = "dynsnap/testenv/ready_rule.py"
 CLIENT = "dynsnap/k8s/client.py"
 INFORMER = "dynsnap/k8s/informer.py"
 DYNAMO_MODEL = "dynsnap/models/dynamo.py"
@@ -38,7 +38,6 @@ INSTANCE_ID = UNITS + "test_instance_id_is_the_generate_endpoint_of_the_dwm"
 WATCH_GONE = ("tests/integration/test_apiserver.py::"
               "test_watch_from_too_old_resource_version_is_gone_and_relist_recovers")
 PINNED = "tests/integration/node/test_dynamo.py::test_pinned_request_is_answered_by_that_worker"
-LIVENESS = "tests/integration/test_stub_kubelet.py::test_liveness_failures_are_counted_as_restarts[/missing-True]"
 REAL_NODE = "tests/integration/test_real_node.py"
 REAL_POD = REAL_NODE + "::test_pod_runs_on_the_real_node"
 IMAGE_REF = "tests/unit/test_testenv_node.py::test_image_ref_is_the_name_the_cri_looks_up"
@@ -46,10 +45,10 @@ THROUGH_GATE = "tests/unit/test_demo_kubelet_watch.py"
 
 MUTATIONS = (
     mutation(
-        "kubelet-ready-ignores-gates", "stub kubelet computes Ready without the readiness gates", KUBELET,
+        "kubelet-ready-ignores-gates", "kubelet's Ready rule (for kwok's pods) without the readiness gates", READY,
         'return containers_ready and all(conds.get(g) == "True" for g in gates)',
         "return containers_ready",
-        tests=[READY_RULE], modules=["dynsnap.testenv.kubelet"]),
+        tests=[READY_RULE], modules=["dynsnap.testenv.ready_rule"]),
     mutation(
         "watch-ignores-error-events", "`Kube.watch` ignores ERROR events (no `Gone`)", CLIENT,
         '                if event.get("type") == "ERROR":\n'
@@ -79,11 +78,6 @@ MUTATIONS = (
         "headers[P.HEADER_WORKER_INSTANCE_ID] = str(worker_id)",
         'headers[P.HEADER_WORKER_INSTANCE_ID] = format(worker_id, "x")',
         tests=[PINNED], modules=["dynsnap.testenv.dynamo"]),
-    mutation(
-        "kubelet-never-counts-liveness", "stub kubelet never counts liveness failures", KUBELET,
-        "live_failures += 1",
-        "live_failures += 0",
-        tests=[LIVENESS], modules=["dynsnap.testenv.kubelet"]),
     # The real node (dynsnap.testenv.node). Its cgroup row leaves the node's empty cgroup directories
     # behind, as it must to be seen; the next start of a node of the same bridge and name removes them.
     mutation(

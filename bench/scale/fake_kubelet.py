@@ -6,7 +6,7 @@ sync, so a worker whose ``dynsnap.io/serving`` gate the controller sets False go
 EndpointSlice endpoint with it (the quiesce waits on that). This does the same for every pod of the
 fleet from one pods informer: whenever a Running pod's ``Ready`` disagrees with that rule, it writes
 ``Ready`` (and ``ContainersReady`` True: kwok's containers are always ready) with the pod's
-resourceVersion as precondition, as ``dynsnap.testenv.kubelet.StubKubelet`` does for real pods.
+resourceVersion as precondition (the rule: ``dynsnap.testenv.ready_rule``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dynsnap.k8s.errors import ApiError, NotFound
 from dynsnap.k8s.informer import Informer
 from dynsnap.models import resources as R
 from dynsnap.runtime.workqueue import WorkQueue, run_workers
-from dynsnap.testenv.kubelet import compute_ready
+from dynsnap.testenv.ready_rule import compute_ready
 
 log = logging.getLogger("bench.fake_kubelet")
 

@@ -1,5 +1,5 @@
-"""The whole local environment as one object: network, control plane, CRDs, kwok, nodes,
-and pods that really run (sandbox + stub kubelet).
+"""The whole local environment as one object: network, control plane, CRDs, kwok and its fake
+nodes (the real node, node.py, joins it; pods that really run, run there).
 
 ``LocalCluster.start()`` brings everything up in dependency order and ``stop()`` tears it
 all down even after a failure half-way; the pytest session fixtures and ``dynsnap demo``
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -23,31 +22,34 @@ from typing import Any, Protocol
 import yaml
 
 from dynsnap.k8s.client import Kube, Obj
-from dynsnap.k8s.errors import ApiError, Conflict, NotFound
+from dynsnap.k8s.errors import ApiError, Conflict
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv.controlplane import ControlPlane, free_port
-from dynsnap.testenv.kubelet import StubKubelet
 from dynsnap.testenv.kwok import fake_node, kwok_process
+from dynsnap.testenv.netns import SandboxNetwork
 from dynsnap.testenv.process import Supervised
-from dynsnap.testenv.sandbox import PodSandbox, SandboxNetwork
 
 log = logging.getLogger(__name__)
 
-# Fake nodes; each gets a /24 of the sandbox network as its podCIDR (kwok assigns pod IPs from it).
+# Fake nodes; each gets a /24 of the run's network as its podCIDR (kwok assigns pod IPs from it).
 NODES = ("node-a", "node-b")
 TEST_NAMESPACE = "dynamo"
-DYNAMO_USER = "dynamo-pod"  # the identity Dynamo's frontend and workers use (pods' service account stand-in)
 
 
 class Named(Protocol):
-    """A pod by name: a sandboxed pod (RunningPod) or one a real node runs (real_graph.NodePod)."""
+    """A pod by name (real_graph.NodePod, a pod the real node runs)."""
 
     @property
     def name(self) -> str: ...
 
     @property
     def namespace(self) -> str: ...
+
+
+class PodWithUid(Named, Protocol):
+    @property
+    def uid(self) -> str: ...
 
 
 async def wait_for(what: str, check: Any, *, timeout: float, interval: float = 0.1) -> Any:
@@ -75,50 +77,6 @@ def node_addresses(net: SandboxNetwork) -> list[tuple[str, str, str]]:
     return [(node, str(next(subnets)), str(hosts[9 + i])) for i, node in enumerate(NODES)]
 
 
-def resolve_env(pod: Obj, container: Obj) -> dict[str, str]:
-    """The container's env as kubelet resolves it (literal values and downward-API fieldRefs)."""
-    fields = {
-        "metadata.name": pod["metadata"]["name"],
-        "metadata.namespace": pod["metadata"]["namespace"],
-        "metadata.uid": pod["metadata"]["uid"],
-        "spec.nodeName": pod["spec"].get("nodeName", ""),
-        "status.podIP": pod.get("status", {}).get("podIP", ""),
-    }
-    env: dict[str, str] = {}
-    for item in container.get("env", []):
-        if "value" in item:
-            env[item["name"]] = str(item["value"])
-        elif "fieldRef" in item.get("valueFrom", {}):
-            path = item["valueFrom"]["fieldRef"]["fieldPath"]
-            if path not in fields:
-                raise ValueError(f"env {item['name']}: fieldRef {path} is not supported by the test kubelet")
-            env[item["name"]] = fields[path]
-    return env
-
-
-def empty_dir_mounts(pod: Obj, container: Obj) -> list[str]:
-    """Mount paths of the container's emptyDir volumes (each gets its own tmpfs in the sandbox)."""
-    empty = {v["name"] for v in pod["spec"].get("volumes") or [] if "emptyDir" in v}
-    return [m["mountPath"] for m in container.get("volumeMounts") or [] if m.get("name") in empty]
-
-
-@dataclass
-class RunningPod:
-    """A pod the harness really runs: the API object's identity plus its sandbox and prober."""
-
-    name: str
-    namespace: str
-    uid: str
-    ip: str
-    node: str
-    sandbox: PodSandbox
-    kubelet: StubKubelet
-
-    async def stop(self) -> None:
-        await self.kubelet.stop()
-        await self.sandbox.stop()
-
-
 @dataclass
 class LocalCluster:
     workdir: Path
@@ -126,9 +84,7 @@ class LocalCluster:
     cp: ControlPlane | None = None
     kube: Kube | None = None
     kwok: Supervised | None = None
-    pods: dict[tuple[str, str], RunningPod] = field(default_factory=dict)
     admin_kubeconfig: Path | None = None
-    pod_kubeconfig: Path | None = None
     apiserver_args: tuple[str, ...] = ()  # extra kube-apiserver flags (ControlPlane.apiserver_args)
     fake_nodes: bool = True  # kwok and its fake NODES; the demo runs on a real node only
 
@@ -150,14 +106,11 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, mode=0o700)
         await self.net.up()
         self.cp = ControlPlane(self.workdir, bind_address=self.net.gateway, apiserver_args=self.apiserver_args)
-        await self.cp.start(extra_identities={"kwok": ("kwok", ("system:masters",)),
-                                              "dynamo": (DYNAMO_USER, ())})
+        await self.cp.start(extra_identities={"kwok": ("kwok", ("system:masters",))})
         self.admin_kubeconfig = self.cp.kubeconfig_for("admin")
-        self.pod_kubeconfig = self.cp.kubeconfig_for("dynamo")
         self.kube = await Kube.from_kubeconfig(self.admin_kubeconfig, field_manager="testenv")
         await self._install_crds()
         await self._ensure_namespace(TEST_NAMESPACE)
-        await self._install_dynamo_rbac()
         if self.fake_nodes:
             await self._start_kwok()
         # The namespace controller's "default" service account gates pod creation (ServiceAccount admission).
@@ -200,60 +153,14 @@ class LocalCluster:
         with contextlib.suppress(Conflict):
             await self.api.create(R.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 
-    async def _install_dynamo_rbac(self) -> None:
-        """What Dynamo 1.6.1's frontend and workers ask of the API server (DESIGN.md 3.4), and no more."""
-        await self.api.apply(R.CLUSTER_ROLES, {"metadata": {"name": "testenv:dynamo-discovery"}, "rules": [
-            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": ["nvidia.com"], "resources": ["dynamoworkermetadatas"],
-             "verbs": ["get", "list", "watch", "create", "update", "patch"]},
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-        ]})
-        await self.api.apply(R.CLUSTER_ROLE_BINDINGS, {
-            "metadata": {"name": "testenv:dynamo-discovery"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": "testenv:dynamo-discovery"},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": DYNAMO_USER}],
-        })
-
-    # -- pods that really run ------------------------------------------------------------------
+    # -- pods ----------------------------------------------------------------------------------
 
     async def wait_pod_ip(self, namespace: str, name: str, *, timeout: float = 60) -> Obj:
         async def has_ip() -> Obj | None:
             pod = await self.api.get(R.PODS, name, namespace=namespace)
             return pod if pod.get("status", {}).get("podIP") else None
-        pod: Obj = await wait_for(f"pod {namespace}/{name} IP from kwok", has_ip, timeout=timeout)
+        pod: Obj = await wait_for(f"pod {namespace}/{name} IP", has_ip, timeout=timeout)
         return pod
-
-    async def run_pod(self, pod: Obj, *, extra_env: dict[str, str] | None = None) -> RunningPod:
-        """Create ``pod`` (bound to a fake node) and really run its first container in a sandbox."""
-        ns = pod["metadata"].setdefault("namespace", TEST_NAMESPACE)
-        pod["spec"].setdefault("nodeName", NODES[0])
-        created = await self.api.create(R.PODS, pod)
-        name = created["metadata"]["name"]
-        live = await self.wait_pod_ip(ns, name)
-        container = live["spec"]["containers"][0]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/root", "KUBECONFIG": str(self.pod_kubeconfig)}
-        env.update(resolve_env(live, container))
-        env.update(extra_env or {})
-        command = list(container.get("command", [])) + list(container.get("args", []))
-        sandbox = await PodSandbox.start(
-            net=self.net, name=name, namespace=ns, uid=live["metadata"]["uid"], pod_ip=live["status"]["podIP"],
-            command=command, env=env, workdir=self.workdir / "pods" / f"{ns}_{name}",
-            mounts=empty_dir_mounts(live, container),
-        )
-        kubelet = StubKubelet(self.api, ns, name, live["status"]["podIP"])
-        kubelet.start()
-        running = RunningPod(name, ns, live["metadata"]["uid"], live["status"]["podIP"], live["spec"]["nodeName"],
-                             sandbox, kubelet)
-        self.pods[(ns, name)] = running
-        return running
-
-    async def delete_pod(self, namespace: str, name: str) -> None:
-        running = self.pods.pop((namespace, name), None)
-        if running:
-            await running.stop()
-        with contextlib.suppress(NotFound):
-            await self.api.delete(R.PODS, name, namespace=namespace, grace_period_seconds=0)
 
     async def wait_ready(self, namespace: str, name: str, *, ready: bool = True, timeout: float = 60) -> Obj:
         async def check() -> Obj | None:
@@ -263,7 +170,7 @@ class LocalCluster:
         pod: Obj = await wait_for(f"pod {namespace}/{name} Ready={ready}", check, timeout=timeout)
         return pod
 
-    async def endpoint_of(self, pod: RunningPod, *, label_selector: str) -> Obj | None:
+    async def endpoint_of(self, pod: PodWithUid, *, label_selector: str) -> Obj | None:
         """The EndpointSlice endpoint whose targetRef is this pod (by UID), among the slices selected."""
         slices = await self.api.list(R.ENDPOINT_SLICES, namespace=pod.namespace, label_selector=label_selector)
         for s in slices.get("items", []):
@@ -287,10 +194,6 @@ class LocalCluster:
         await self.cp.restart_apiserver(while_down=while_down)
 
     async def stop(self) -> None:
-        for running in list(self.pods.values()):
-            with contextlib.suppress(Exception):
-                await running.stop()
-        self.pods.clear()
         if self.kube is not None:
             with contextlib.suppress(Exception):
                 await self.kube.close()

@@ -1,9 +1,9 @@
 """dynsnap's own parts in the local environment: its CRD and the agent's shipped RBAC installed in
 the local cluster, a service-account token for the agent from the TokenRequest API, the node agent
-started as a process of its own (one per fake node, as a DaemonSet would), the stub CUDA driver the
-agent's dynsnap-cuda loads (``stub_libcuda`` and ``stub_nvml``: no GPU here; they stand in for the
-NVIDIA driver), and mocker or stand-in engine (stub_engine) workers wired for dynsnap that map it
-(so the agent finds GPU processes the way it does on a node: by what they map).
+started as a process of its own (where a test plays the node's agent itself), and the stub CUDA driver
+the agent's dynsnap-cuda loads (``stub_libcuda`` and ``stub_nvml``: no GPU here; they stand in for the
+NVIDIA driver) and the workers map (so the agent finds GPU processes the way it does on a node: by
+what they map).
 
 Layer: ``dynsnap.testenv``. The agent runs as ``python -m dynsnap agent``: nothing here imports it.
 Runs from a checkout (the stub driver's C sources are under tests/native/).
@@ -11,7 +11,6 @@ Runs from a checkout (the stub driver's C sources are under tests/native/).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import glob
@@ -30,7 +29,6 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.crd import workersnapshot_crd
 from dynsnap.runtime import procfs
-from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import LocalCluster
 from dynsnap.testenv.process import Supervised
 
@@ -314,74 +312,11 @@ class AgentProc:
         return self.proc.tail(n) if self.proc else "(not started)"
 
 
-@dataclass
-class ControllerProc:
-    """``dynsnap controller`` as its own process under the controller's service account."""
-
-    kubeconfig: Path
-    workdir: Path
-    extra: list[str] = field(default_factory=list)
-    identity: str = "controller-0"
-    proc: Supervised | None = None
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"{self.identity}.log"
-
-    @property
-    def trace_file(self) -> Path:
-        return self.workdir / f"{self.identity}-traces.jsonl"
-
-    def argv(self) -> list[str]:
-        return [sys.executable, "-m", "dynsnap", "-v", "controller", "--kubeconfig", str(self.kubeconfig),
-                "--health-port", "0", "--scrape-interval", "0.5", "--identity", self.identity,
-                "--lease-namespace", AGENT_NS, *self.extra]
-
-    async def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DYNSNAP_CONTROLLER_")}
-        self.proc = Supervised(self.identity, self.argv(), log_path=self.log_path, env=env)
-        await self.proc.start()
-
-    async def stop(self, *, grace: float = 10.0) -> None:
-        if self.proc is not None:
-            await self.proc.stop(grace=grace)
-            self.proc = None
-
-    def kill(self) -> None:
-        """SIGKILL: the controller's pod lost without any cleanup."""
-        assert self.proc is not None and self.proc.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, 9)
-
-    def tail(self, n: int = 60) -> str:
-        return self.proc.tail(n) if self.proc else "(not started)"
-
-
 CONTROLLER_SA = "dynsnap-controller"
 
 
-def worker_component(name: str, *, replicas: int, driver: StubDriver, env: dict[str, str] | None = None) -> Obj:
-    """Mocker workers wired for dynsnap, each mapping the stub CUDA driver (a GPU process to the agent)."""
-    return D.mocker_component(name, replicas=replicas, dynsnap=True,
-                              env={"LD_PRELOAD": str(driver.libcuda), **(env or {})})
-
-
-async def deploy_serving(cluster: LocalCluster, body: Obj) -> D.Graph:
-    """Deploy a DGD whose dynsnap workers carry the serving gate, and set the gate True on each, as
-    the controller does for a new worker (a gate nobody set counts as False: never Ready)."""
-    graph = await D.deploy(cluster, body, wait=False)
-    pods = [p for ps in graph.pods.values() for p in ps]
-    for p in pods:
-        live = await cluster.api.get(R.PODS, p.name, namespace=p.namespace)
-        if any(g.get("conditionType") == P.CONDITION_SERVING for g in live["spec"].get("readinessGates") or []):
-            await cluster.set_serving_gate(p, True)
-    await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=120) for p in pods))
-    return graph
-
-
 class PodRef(Protocol):
-    """A pod by its identity: a sandbox's RunningPod, or a real node's NodePod (real_graph)."""
+    """A pod by its identity (a real node's NodePod, real_graph)."""
 
     @property
     def name(self) -> str: ...

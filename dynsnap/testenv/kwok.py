@@ -3,8 +3,8 @@
 kwok manages only Nodes labelled ``dynsnap.io/fake-node=true`` with the stage files
 shipped in its module (node-initialize, pod-ready, pod-complete, pod-delete): it marks
 Nodes Ready, moves pods bound to them to Running with a pod IP from the Node's
-``spec.podCIDR``, and finalises deleted pods. Pods that must really run get a pod
-sandbox on top (``sandbox.py``) and their readiness from ``kubelet.py``.
+``spec.podCIDR``, and finalises deleted pods. Pods that must really run, run on the real node
+(``node.py``), whose kubelet gives them their readiness.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """What the agent's integration tests share beyond dynsnap/testenv/dynsnap_parts.py: waiting on a
-WorkerSnapshot's status, playing the controller's quiesce, reading a pod's TCP connections.
+WorkerSnapshot's status, reading a process's TCP connections.
 
 Not collected by pytest (no ``test_`` prefix).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ import yaml
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import resources as R
-from dynsnap.testenv.cluster import LocalCluster, RunningPod, wait_for
+from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.dynsnap_parts import (  # noqa: F401 (re-exported for the tests)
     AGENT_NS,
     AGENT_SA,
@@ -25,11 +24,9 @@ from dynsnap.testenv.dynsnap_parts import (  # noqa: F401 (re-exported for the t
     PodOnNode,
     StubDriver,
     build_stub_driver,
-    deploy_serving,
     install_dynsnap,
     set_desired,
     token_kubeconfig,
-    worker_component,
     ws_body,
 )
 
@@ -69,19 +66,8 @@ def state_is(state: str, *, suspended: bool | None = None) -> Callable[[Obj], bo
     return check
 
 
-async def quiesce(cluster: LocalCluster, pod: RunningPod, *, serving: bool) -> None:
-    """Play the controller: take the worker out of serving (or back in) by its readiness gate."""
-    await cluster.set_serving_gate(pod, serving)
-    await cluster.wait_ready(pod.namespace, pod.name, ready=serving, timeout=60)
-
-
 def _hex_addr(ip: str, port: int) -> str:
     return "".join(f"{int(b):02X}" for b in reversed(ip.split("."))) + f":{port:04X}"
-
-
-def established(pod: RunningPod, *, remote: tuple[str, int] | None = None) -> set[tuple[str, str]]:
-    """ESTABLISHED TCP connections in the pod sandbox's network namespace (:func:`tcp_established`)."""
-    return tcp_established(pod.sandbox.pid, remote=remote)
 
 
 def tcp_established(pid: int, *, remote: tuple[str, int] | None = None) -> set[tuple[str, str]]:
@@ -96,16 +82,5 @@ def tcp_established(pid: int, *, remote: tuple[str, int] | None = None) -> set[t
     return out
 
 
-def apiserver_addr(cluster: LocalCluster) -> tuple[str, int]:
-    assert cluster.cp is not None
-    hostport = cluster.cp.url.removeprefix("https://")
-    host, port = hostport.rsplit(":", 1)
-    return host, int(port)
-
-
 async def eventually(what: str, check: Callable[[], Awaitable[Any]], timeout: float = 60) -> Any:
     return await wait_for(what, check, timeout=timeout)
-
-
-async def gather_stop(agents: list[AgentProc]) -> None:
-    await asyncio.gather(*(a.stop() for a in agents), return_exceptions=True)

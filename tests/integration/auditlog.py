@@ -2,7 +2,7 @@
 API server at Metadata level (the URL, who, when; no bodies), one event when a response starts and one
 when it is complete, so for a watch when the server opened the stream and when it ended it. The
 session's cluster (conftest.py) keeps one for the real node's Dynamo pods (their service accounts'
-group), test_agent_apiserver.py's cluster one for the sandbox's Dynamo identity.
+group).
 
 Not collected by pytest (no ``test_`` prefix).
 """

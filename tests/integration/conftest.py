@@ -1,9 +1,10 @@
 """Session fixtures: one real local cluster (etcd, kube-apiserver, kube-controller-manager,
-kwok, sandbox network) for the whole integration session, torn down even when tests fail.
+kwok, the run's bridge) for the whole integration session, torn down even when tests fail; the
+real node (node.py) joins it where a test or package starts one.
 
-When a test failed, the logs of every component and every sandboxed pod are copied to
-``$DYNSNAP_KEEP_LOGS`` (default ``test-logs/``). After teardown the session fails if any
-network namespace, bridge or sandboxed process of the harness is left behind."""
+When a test failed, the logs of every component are copied to ``$DYNSNAP_KEEP_LOGS`` (default
+``test-logs/``). After teardown the session fails if any network namespace, bridge or process of
+the harness is left behind."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What the controller's integration tests share: a graph opted in by annotations, the node agents
-and the controller each as its own process under its shipped RBAC (tokens from the TokenRequest
-API), a load generator through the frontend that records every answer, and waits on
-WorkerSnapshot status.
+"""What the controller's integration tests share: policy annotations, a load generator through the
+frontend that records every answer, and waits on WorkerSnapshot status.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -10,16 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import yaml
-from agentenv import AGENT_NS, AGENT_SA, AgentProc, StubDriver, build_stub_driver, install_dynsnap, token_kubeconfig
 
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import NotFound
@@ -27,8 +21,8 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import NODES, LocalCluster, wait_for
-from dynsnap.testenv.dynsnap_parts import CONTROLLER_SA, ControllerProc, PodRef
+from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.dynsnap_parts import PodRef
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy, Fault
 
 
@@ -75,85 +69,6 @@ class Load:
 
     def failures(self) -> list[tuple[float, int, int | None, str]]:
         return [r for r in self.results if r[1] != 200]
-
-
-@dataclass
-class CtlEnv:
-    cluster: LocalCluster
-    graph: D.Graph
-    fe: D.FrontendClient
-    agents: list[AgentProc]
-    controller: ControllerProc
-    driver: StubDriver
-    work: Path
-    ctl_kubeconfig: Path
-
-    @property
-    def api(self) -> Kube:
-        return self.cluster.api
-
-    def logs(self) -> str:
-        return "\n".join([f"--- controller ---\n{self.controller.tail(120)}"] +
-                         [f"--- agent {a.node} ---\n{a.tail(60)}" for a in self.agents])
-
-
-def kubeconfig_via(src: Path, server: str, dest: Path) -> Path:
-    """``src`` (a service account's kubeconfig) pointed at ``server`` (a fake_apiproxy in front of the
-    API server): the same identity and RBAC, one more hop."""
-    cfg = yaml.safe_load(src.read_text())
-    for c in cfg["clusters"]:
-        c["cluster"]["server"] = server
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(cfg, f)
-    return dest
-
-
-async def start_env(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj], *,
-                    controller_args: list[str] | None = None, agent_args: list[str] | None = None,
-                    prefix: str = "dynsnap-ctl-", controller_server: str | None = None) -> CtlEnv:
-    """The agents, the controller (through ``controller_server`` when given) and the graph, its pods Ready."""
-    work = Path(tempfile.mkdtemp(prefix=prefix))
-    driver = build_stub_driver(work / "stubcuda")
-    await install_dynsnap(cluster)
-    agent_cfg = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=AGENT_SA, path=work / "agent.kubeconfig")
-    ctl_cfg = await token_kubeconfig(cluster, namespace=AGENT_NS, sa=CONTROLLER_SA, path=work / "ctl.kubeconfig")
-    agents = [AgentProc(node, agent_cfg, work / node, driver,
-                        extra=[a.replace("{node}", node) for a in agent_args or []]) for node in NODES]
-    for a in agents:
-        await a.start()
-    if controller_server is not None:
-        ctl_cfg = kubeconfig_via(ctl_cfg, controller_server, work / "ctl-via.kubeconfig")
-    controller = ControllerProc(ctl_cfg, work / "controller",
-                                extra=["--verify-timeout", "30", "--quiesce-timeout", "60", *(controller_args or [])])
-    await controller.start()
-    graph = await D.deploy(cluster, make_body(driver), wait=False)
-    pods = [p for ps in graph.pods.values() for p in ps]
-    # The controller sets every new worker's serving gate (a gate nobody sets is never Ready).
-    await asyncio.gather(*(cluster.wait_ready(p.namespace, p.name, timeout=120) for p in pods))
-    fe = D.FrontendClient(graph.frontend)
-    await fe.wait_model()
-    return CtlEnv(cluster, graph, fe, agents, controller, driver, work, ctl_cfg)
-
-
-async def stop_env(env: CtlEnv) -> None:
-    await env.fe.close()
-    await env.controller.stop()
-    await asyncio.gather(*(a.stop() for a in env.agents), return_exceptions=True)
-    await D.teardown(env.cluster, env.graph)
-
-
-@contextlib.asynccontextmanager
-async def running(cluster: LocalCluster, make_body: Callable[[StubDriver], Obj], **kw: Any
-                  ) -> AsyncIterator[CtlEnv]:
-    env = await start_env(cluster, make_body, **kw)
-    try:
-        yield env
-    except BaseException:
-        print(env.logs())
-        raise
-    finally:
-        await stop_env(env)
 
 
 async def get_ws(api: Kube, pod: PodRef) -> Obj | None:

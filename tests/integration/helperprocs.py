@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 from dynsnap.runtime import procfs
-from dynsnap.testenv.cluster import RunningPod
 
 
 @dataclass(frozen=True)
@@ -51,14 +50,9 @@ def _helper(pid: int, op: str) -> Helper | None:
     return Helper(pid, st.ns_pid, st.name, op)
 
 
-def helpers_of(pod: RunningPod) -> list[Helper]:
-    """The dynsnap-cuda and CRIU processes that run for ``pod`` now (also once the pod has stopped)."""
-    return helpers_for(pod.sandbox.pid_namespace, pod.sandbox.pid)
-
-
 def helpers_for(inode: int | None, pid1: int) -> list[Helper]:
     """The dynsnap-cuda and CRIU processes that run for the pod whose pid namespace is ``inode`` and whose
-    PID 1 is host pid ``pid1`` (a sandbox's, or a real container's entrypoint)."""
+    PID 1 is host pid ``pid1`` (a real container's entrypoint)."""
     out: list[Helper] = []
     for pid in procfs.pids():
         exe = procfs.exe_name(pid)
@@ -79,9 +73,3 @@ def helpers_for(inode: int | None, pid1: int) -> list[Helper]:
                     h = _helper(p, "criu")
                     out += [h] if h is not None else []
     return out
-
-
-def running_for(pod: RunningPod) -> list[str]:
-    """helpers_of, as one line each (for assertion messages)."""
-    return [f"{h.pid} {h.name} {h.op}" for h in helpers_of(pod)]
-

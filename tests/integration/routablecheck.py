@@ -40,7 +40,7 @@ async def all_asleep(api: Kube, pods: list[Pod], component: str, timeout: float 
 
 
 async def in_serving(cluster: LocalCluster, fe: D.FrontendClient, pod: PodRef) -> None:
-    """Asleep and still in serving: pod Ready (kubelet's word, or the sandbox's prober's), gate True,
+    """Asleep and still in serving: pod Ready (kubelet's word), gate True,
     endpoint ready, the model listed by the frontend."""
     live = await cluster.api.get(R.PODS, pod.name, namespace=pod.namespace)
     conds = {c["type"]: c["status"] for c in live["status"].get("conditions") or []}

@@ -1,4 +1,4 @@
-"""Pure pieces of the harness: kubelet's Ready rule, env resolution, the stub operator's
+"""Pure pieces of the harness: kubelet's Ready rule, the stub operator's
 objects, REST paths, and reading worker ids from Dynamo's answers and DWMs."""
 
 from __future__ import annotations
@@ -7,10 +7,9 @@ import pytest
 
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
+from dynsnap.models.dynamo import instance_id_from_dwm, worker_ids_from
 from dynsnap.testenv import stub_operator
-from dynsnap.testenv.cluster import resolve_env
-from dynsnap.testenv.dynamo import instance_id_from_dwm, worker_ids_from
-from dynsnap.testenv.kubelet import compute_ready
+from dynsnap.testenv.ready_rule import compute_ready
 
 
 def _pod(conds: dict[str, str], gates: list[str]) -> dict[str, object]:
@@ -30,18 +29,6 @@ def _pod(conds: dict[str, str], gates: list[str]) -> dict[str, object]:
 def test_ready_is_containers_ready_and_every_gate(containers: bool, conds: dict[str, str], gates: list[str],
                                                   ready: bool) -> None:
     assert compute_ready(_pod(conds, gates), containers) is ready
-
-
-def test_env_resolves_literals_and_downward_api() -> None:
-    pod = {"metadata": {"name": "w-0", "namespace": "ns", "uid": "u-1"}, "spec": {"nodeName": "node-a"},
-           "status": {"podIP": "10.213.1.5"}}
-    container = {"env": [{"name": "A", "value": "1"},
-                         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                         {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-                         {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}
-    assert resolve_env(pod, container) == {"A": "1", "POD_NAME": "w-0", "POD_UID": "u-1", "IP": "10.213.1.5"}
-    with pytest.raises(ValueError, match="not supported"):
-        resolve_env(pod, {"env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels"}}}]})
 
 
 def test_stub_operator_creates_discovery_service_and_labelled_owned_pods() -> None:

@@ -2,7 +2,7 @@
 node and one install (realnodeenv.installed): started for the package's first test, torn down after
 its last (which must leave nothing behind), so each module pays for its own graphs only. The
 directory is a package (``__init__.py``) for that: without one pytest keeps a package-scoped fixture
-for the whole session, and the chart's controller would go on acting on the sandbox tests' pods. Each test
+for the whole session, and the chart's controller would go on acting beside later tests. Each test
 deploys its graph with realnodeenv.deployed and deletes it after.
 
 The chart values are the tests' (chart_node.chart_values) and realnodeenv.SHARED_VALUES, which the

@@ -7,7 +7,7 @@
  * an ELF binary like the real one, so the agent hands it to the worker's container exactly as it
  * hands CRIU (as descriptors, through its dynamic loader: dynsnap/agent/criu.py), and nothing of
  * the node needs to resolve there. The CRIU is the real one; only the moment its main() starts, or
- * the moment its process exits, is held back (and a run may be given a configuration file).
+ * the moment its process exits, is held back.
  *
  * Its files live in the directory $DYNSNAP_FAKE_SLOW_CRIU names, a path in CRIU's own mount
  * namespace (the worker container's: the test reaches it from the node through /proc/<pid>/root).
@@ -17,9 +17,6 @@
  *               "after" (run CRIU, then, at its exit, wait until released: the dump or restore is
  *               complete but the agent has not learnt it); absent: not held
  *   release     created by the test: stop holding back
- *   <op>.conf   a CRIU configuration file for op's runs (CRIU_CONFIG_FILE, which CRIU reads even
- *               under --no-default-config and the agent never passes on): a CRIU that restores
- *               TCP connections closed, say ("tcp-close")
  *   log         one line per event: "start <pid> <mode> <args>" (a /proc/self/fd/N argument
  *               written as the path the descriptor names), "exec <pid>", "exited <pid> <rc>",
  *               "done <pid>"; <pid> as CRIU's own pid namespace numbers it
@@ -131,10 +128,6 @@ __attribute__((constructor)) static void fake_slow_criu(int argc, char **argv)
 			break;
 		at += (size_t)n;
 	}
-	char conf[600];
-	snprintf(conf, sizeof(conf), "%s/%s.conf", dir, argv[1]);
-	if (access(conf, R_OK) == 0)
-		setenv("CRIU_CONFIG_FILE", conf, 1);
 	logf_("start %d %s %s", (int)main_pid, mode, args);
 	if (strcmp(mode, "before") == 0) {
 		held();
