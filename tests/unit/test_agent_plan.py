@@ -33,6 +33,9 @@ ROWS = [
     ((E.SUSPENDING, True, ("checkpointed", "locked"), {}, SUSP, SNAP), Step.GPU_ROLLBACK),
     ((E.ACTIVE, True, ("locked",), {}, SUSP, TIER1), Step.GPU_ROLLBACK),
     ((E.ACTIVE, True, ("locked",), {}, ACT, TIER1), Step.GPU_ROLLBACK),
+    # a GPU process checkpointed under an active entrypoint (by anyone: node/test_stub_engine.py's
+    # dynsnap-cuda save from the node, opted in) is put back to running
+    ((E.ACTIVE, True, ("checkpointed",), {}, ACT, TIER1), Step.GPU_ROLLBACK),
     # a helper still running (started by an agent that died) is waited for first
     ((E.SUSPENDING, True, ("locked",), {"helper_running": True}, SUSP, TIER1), Step.WAIT_HELPER),
     # the dump guard refused a capture: the tree comes back from what was dumped

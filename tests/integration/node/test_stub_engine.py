@@ -55,8 +55,9 @@ FAULTS_VOLUME = "engine-faults"
 DISAGG = chart_node.ROOT / "examples" / "dgd" / "disagg.yaml"
 # Not opted in: the chart's controller only lets the gated pods serve, and no WorkerSnapshot exists, so
 # the chart's agent leaves the engine alone. (Opted in, the process this module checkpoints with
-# dynsnap-cuda was running again, the held request answered, before the test saw it held: most likely
-# the agent bringing an Active worker's GPU processes back to running; not looked into.)
+# dynsnap-cuda was running again, the held request answered, before the test saw it held: the agent's
+# planner puts a GPU process that is not running under an active entrypoint back to running,
+# GPU_ROLLBACK, as after an interrupted save: tests/unit/test_agent_plan.py's row for it.)
 POLICY = {P.ANN_ENABLED: "false"}
 
 
