@@ -455,6 +455,13 @@ MUTATIONS = (
         '            argv = [*launch.argv, *build(launch), "--libdir", launch.libdir or nothing]\n',
         '            argv = [*launch.argv, *build(launch), *(["--libdir", launch.libdir] if launch.libdir else [])]\n',
         tests=["tests/unit/test_agent_criu.py::test_criu_gets_a_path_with_nothing_of_the_workers_on_it"]),
+    mutation(
+        "no-apiserver-reset", "a worker woken after a long sleep keeps the API-server connections frozen in its "
+        "image (no reset)", WAKE_STEPS,
+        "    if limit and slept is not None and slept > limit:\n",
+        "    if False:\n",
+        tests=["tests/integration/node/test_agent.py::"
+               "test_a_sleep_past_reset_after_resets_the_workers_api_server_connections"]),
 )
 
 SUITE = Suite(
