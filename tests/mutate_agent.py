@@ -462,6 +462,12 @@ MUTATIONS = (
         "    if False:\n",
         tests=["tests/integration/node/test_agent.py::"
                "test_a_sleep_past_reset_after_resets_the_workers_api_server_connections"]),
+    mutation(
+        "failed-status-write-forgotten", "a step whose status write failed (the API server away) is not "
+        "written once the server is back", NODE,
+        "            self._unwritten[ws.key] = status  # the step happened; its record goes out with the next write\n",
+        "            pass\n",
+        tests=["tests/integration/node/test_apiserver_restart.py::test_the_api_server_restarted_mid_wake"]),
 )
 
 SUITE = Suite(
