@@ -47,7 +47,9 @@ class Named(Protocol):
     def namespace(self) -> str: ...
 
 
-class PodWithUid(Named, Protocol):
+class PodRef(Named, Protocol):
+    """A pod by its identity (a real node's NodePod, real_graph)."""
+
     @property
     def uid(self) -> str: ...
 
@@ -170,7 +172,7 @@ class LocalCluster:
         pod: Obj = await wait_for(f"pod {namespace}/{name} Ready={ready}", check, timeout=timeout)
         return pod
 
-    async def endpoint_of(self, pod: PodWithUid, *, label_selector: str) -> Obj | None:
+    async def endpoint_of(self, pod: PodRef, *, label_selector: str) -> Obj | None:
         """The EndpointSlice endpoint whose targetRef is this pod (by UID), among the slices selected."""
         slices = await self.api.list(R.ENDPOINT_SLICES, namespace=pod.namespace, label_selector=label_selector)
         for s in slices.get("items", []):

@@ -29,7 +29,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.crd import workersnapshot_crd
 from dynsnap.runtime import procfs
-from dynsnap.testenv.cluster import LocalCluster
+from dynsnap.testenv.cluster import LocalCluster, PodRef
 from dynsnap.testenv.process import Supervised
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
@@ -313,17 +313,6 @@ class AgentProc:
 
 
 CONTROLLER_SA = "dynsnap-controller"
-
-
-class PodRef(Protocol):
-    """A pod by its identity (a real node's NodePod, real_graph)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def namespace(self) -> str: ...
-    @property
-    def uid(self) -> str: ...
 
 
 class PodOnNode(PodRef, Protocol):

@@ -21,8 +21,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv.cluster import wait_for
-from dynsnap.testenv.dynsnap_parts import PodRef
+from dynsnap.testenv.cluster import PodRef, wait_for
 from dynsnap.testenv.fake_apiproxy import FakeApiProxy, Fault
 
 
