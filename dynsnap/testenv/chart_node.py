@@ -150,11 +150,20 @@ class Env:
             return f"(no log: {e})"
         return r.text or f"(empty; kubelet's files for it: {self._log_files(namespace, name, container)})"
 
+    def log_files(self, namespace: str, name: str, container: str) -> list[Path]:
+        """The container's log files as kubelet keeps them on the node (``<ns>_<pod>_<uid>/<container>/``,
+        every pod of that name), oldest run first: readable while the API server is away."""
+        return sorted(f for f in self.node.layout.pod_logs.glob(f"{namespace}_{name}_*/{container}/*") if f.is_file())
+
+    def log_on_disk(self, namespace: str, name: str, container: str) -> str:
+        """:meth:`log_files` read and joined (kubelet's CRI lines: time, stream, tag, then the line)."""
+        return "".join(f.read_text(errors="replace") for f in self.log_files(namespace, name, container))
+
     def _log_files(self, namespace: str, name: str, container: str) -> str:
-        """The container's log files as kubelet keeps them (``<ns>_<pod>_<uid>/<container>/``) and their
-        sizes: an empty answer is told apart from a log rotated just before it was read."""
-        files = sorted(self.node.layout.pod_logs.glob(f"{namespace}_{name}_*/{container}/*"))
-        return ", ".join(f"{f.name} {f.stat().st_size} B" for f in files if f.is_file()) or "none"
+        """The container's log files and their sizes: an empty answer is told apart from a log rotated
+        just before it was read."""
+        return ", ".join(f"{f.name} {f.stat().st_size} B" for f in self.log_files(namespace, name, container)) \
+            or "none"
 
     async def dump_logs(self) -> str:
         out = []

@@ -289,7 +289,7 @@ async def test_kubectl_delete_pod_of_a_sleeping_worker_restores_nothing_into_the
                                                                        "cuCheckpointProcessUnlock"))]
     assert not restored, restored
     agent = (await chart_pod(env, "agent"))["metadata"]["name"]
-    logs = [f.read_text(errors="replace") for f in env.node.layout.pod_logs.glob(f"{NS}_{agent}_*/agent/*.log")]
+    logs = [f.read_text(errors="replace") for f in env.log_files(NS, agent, "agent")]
     assert any("deleted images of pods gone from this node" in t and str(old_dir) in t for t in logs), \
         "the agent's image GC said which images it deleted (its log, as kubelet keeps it)"
 

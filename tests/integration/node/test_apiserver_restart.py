@@ -45,18 +45,11 @@ WORKER = "VllmWorker"
 RESUME_HANG_MS = 15_000
 
 
-def _agent_log(env: Env, agent: Obj) -> str:
-    """The agent container's log as kubelet writes it under the node's pod log directory (readable
-    while the API server is down)."""
-    meta = agent["metadata"]
-    files = sorted((env.node.layout.pod_logs / f"{NS}_{meta['name']}_{meta['uid']}" / "agent").glob("*.log"))
-    return "".join(f.read_text(errors="replace") for f in files)
-
-
 def _gave_up(env: Env, agent: Obj, w: NodePod) -> int:
-    """The agent's status writes for ``w``'s WorkerSnapshot that its retry policy gave up on."""
+    """The agent's status writes for ``w``'s WorkerSnapshot that its retry policy gave up on (its log as
+    kubelet keeps it on the node: readable while the API server is down)."""
     pattern = re.compile(rf"gave up on PATCH \S*/workersnapshots/{re.escape(w.name)}/status\b")
-    return len(pattern.findall(_agent_log(env, agent)))
+    return len(pattern.findall(env.log_on_disk(NS, agent["metadata"]["name"], "agent")))
 
 
 def _restarts(pod: Obj, container: str) -> int:
