@@ -48,6 +48,19 @@ def open_watches(env: Env, audit: AuditLog, w: NodePod) -> list[Watch]:
     return [x for x in audit.watches(w.ip, since=env.cluster.cp.apiserver_started) if x.ended is None]
 
 
+async def watching(env: Env, audit: AuditLog, w: NodePod) -> None:
+    """Until the worker has both its watches open (not in a reconnect's backoff): what a capture then
+    freezes in the image."""
+    async def both() -> bool:
+        return {x.resource for x in open_watches(env, audit, w)} >= WATCHED
+    await wait_for(f"{w.name} watching {sorted(WATCHED)} (the audit log)", both, timeout=120, interval=1)
+
+
+def watched_since(audit: AuditLog, w: NodePod, since: datetime) -> bool:
+    """The worker opened both its watches after ``since`` (the audit log)."""
+    return {x.resource for x in audit.watches(w.ip, since=since)} >= WATCHED
+
+
 @dataclass
 class LongSleep:
     """The sleeping worker and what was seen of it: ``looks`` (kubelet's account every 5 s) and ``wrong``
@@ -123,10 +136,7 @@ async def sleeping(env: Env, audit: AuditLog) -> AsyncIterator[LongSleep]:
         w = graph.workers(WORKER_COMPONENT)[0]
         first = await kubelet_facts(env.api, w)
         ep = container_procs(w.uid, first.container_id).entrypoint
-
-        async def watching() -> bool:  # both open, not in a reconnect's backoff, to be frozen in the image
-            return {x.resource for x in open_watches(env, audit, w)} >= WATCHED
-        await wait_for(f"{w.name} watching {sorted(WATCHED)} (the audit log)", watching, timeout=120, interval=1)
+        await watching(env, audit, w)
         await override(env, w, "suspended")
         slept = await wait_ws(env, w, "the long sleep's worker asleep (snapshot)", asleep)
         assert slept["status"]["lastCapture"]["ok"] is True and slept["status"]["lastCapture"]["tier"] == "snapshot"

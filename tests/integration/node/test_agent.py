@@ -37,7 +37,7 @@ import pytest
 from agentenv import tcp_established
 from auditlog import AuditLog
 from controllerenv import get_ws
-from longsleep import WATCHED, open_watches
+from longsleep import watched_since, watching
 from realnodecycle import cycle, same_pod, trickle
 from realnodeenv import NS, Env, chart_pod, deployed, kubernetes_service
 from realnodefacts import container_pid, container_procs, control_file, kubelet_facts, stub_state
@@ -258,10 +258,7 @@ async def test_a_sleep_past_reset_after_resets_the_workers_api_server_connection
         first = await kubelet_facts(env.api, w)
         ep = container_procs(w.uid, first.container_id).entrypoint
         api_server = await kubernetes_service(env)
-
-        async def watching() -> bool:  # both open, not in a reconnect's backoff, to be frozen in the image
-            return {x.resource for x in open_watches(env, audit, w)} >= WATCHED
-        await wait_for(f"{w.name} watching {sorted(WATCHED)} (the audit log)", watching, timeout=120, interval=1)
+        await watching(env, audit, w)
         frozen = tcp_established(ep, remote=api_server)
         assert frozen, "the worker holds TCP connections to the API server (its discovery watches)"
         agent = (await chart_pod(env, "agent"))["metadata"]["name"]
@@ -284,7 +281,7 @@ async def test_a_sleep_past_reset_after_resets_the_workers_api_server_connection
         assert not tcp_established(ep, remote=api_server) & frozen, "a frozen API-server connection is left"
 
         async def watching_again() -> bool:
-            return {x.resource for x in audit.watches(w.ip, since=woken_at[0])} >= WATCHED
+            return watched_since(audit, w, woken_at[0])
         await wait_for("the woken worker watching the API server again", watching_again, timeout=60, interval=1)
         await same_pod(env, w, first)
         print(f"\nasleep past {RESET_AFTER_S:.0f} s: the agent reset {resets[0]} connection(s) to the API server "

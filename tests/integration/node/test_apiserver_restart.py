@@ -28,7 +28,7 @@ from agentenv import tcp_established
 from auditlog import AuditLog
 from controllerenv import asleep, cond, get_ws, verified_after
 from helperprocs import helpers_for
-from longsleep import WATCHED
+from longsleep import watched_since
 from realnodecycle import cycle, override, pinned, proven, same_pod, wait_ws
 from realnodeenv import NS, Env, chart_pod, deployed, kubernetes_service
 from realnodefacts import container_procs, control_file, kubelet_facts
@@ -119,9 +119,8 @@ async def test_the_api_server_restarted_mid_wake(env: Env, audit: AuditLog) -> N
         # The worker itself: the stop closed its connections (restored before it); it watches again.
 
         async def watching_again() -> bool:
-            started = {x.resource for x in audit.watches(w.ip, since=stopped_at)}
             now = tcp_established(ep, remote=api_server)
-            return started >= WATCHED and bool(now) and not now & restored
+            return watched_since(audit, w, stopped_at) and bool(now) and not now & restored
         await wait_for("the worker watching the restarted API server on new connections", watching_again,
                        timeout=120, interval=1)
         await same_pod(env, w, first)

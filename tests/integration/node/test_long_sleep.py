@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import pytest
 from controllerenv import Load, events_for, get_ws, verified_after
-from longsleep import ASLEEP_S, LIVENESS, WATCHED, LongSleep
+from longsleep import ASLEEP_S, LIVENESS, LongSleep, watched_since
 from realnodecycle import override, proven, same_pod, wait_ws
 from realnodeenv import NS, WORKER_COMPONENT, Env, chart_pod, upgrade
 
@@ -83,7 +83,7 @@ async def test_asleep_through_the_package_under_dynamos_liveness_settings_then_a
     await same_pod(env, w, s.first)
 
     async def watching_again() -> bool:
-        return {x.resource for x in s.audit.watches(w.ip, since=woken_at)} >= WATCHED
+        return watched_since(s.audit, w, woken_at)
     await wait_for("the woken worker watching the API server again", watching_again, timeout=60, interval=1)
     agent_log = await env.pod_log(NS, new["metadata"]["name"], "agent", tail=5000)
     reset = re.findall(r"reset (\d+) connection\(s\) of the woken worker to the API server", agent_log)
