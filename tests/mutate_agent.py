@@ -468,6 +468,14 @@ MUTATIONS = (
         "            self._unwritten[ws.key] = status  # the step happened; its record goes out with the next write\n",
         "            pass\n",
         tests=["tests/integration/node/test_apiserver_restart.py::test_the_api_server_restarted_mid_wake"]),
+    mutation(
+        "request-kept-past-its-wake", "the request that woke a routable sleeper is forgotten only while the spec "
+        "keeps the generation the wake began under (the controller's Active written mid-wake keeps it for good)",
+        NODE,
+        "            self._requests.pop(ws.key, None)\n        if step in S.ACTIVE_STEPS and for_request:\n",
+        "            if S.woken_by_request(ws, status):\n                self._requests.pop(ws.key, None)\n"
+        "        if step in S.ACTIVE_STEPS and for_request:\n",
+        tests=["tests/unit/test_agent_request_wake.py"]),
 )
 
 SUITE = Suite(

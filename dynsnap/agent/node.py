@@ -259,6 +259,10 @@ class NodeAgent:
             status.last_wake.generation = ws.metadata.generation
             if ws.key in self._requests:  # the agent's own wake, for the request that reached the worker
                 status.last_wake.trigger = "request"
+        # This step ends (settle-active, engine-wake) the agent's own wake for a request: told by the request
+        # still pending here, not only by the spec's generation, which the controller may have moved on
+        # (its desiredState Active) while the wake ran.
+        for_request = S.is_open(status.last_wake) and (ws.key in self._requests or S.woken_by_request(ws, status))
         capture_id = status.last_capture.id if S.is_open(status.last_capture) and status.last_capture else None
         if step == Step.WAIT_HELPER:
             status.state = obs.state
@@ -287,16 +291,19 @@ class NodeAgent:
             S.record(status, step, result)
         if step == Step.WAIT_HELPER:
             self._waiting.setdefault(ws.key, time.monotonic() - result.seconds)
-        if step in S.FINAL_STEPS or (step in S.ACTIVE_STEPS and ws.spec.desired_state == DesiredState.ACTIVE):
+        if step in S.ACTIVE_STEPS:
+            # Awake: the request that reached it asleep is answered, its wake on record (its trigger says it).
+            # Kept, it would hold the worker awake against every later Suspended (the reconcile's want).
+            self._requests.pop(ws.key, None)
+        if step in S.ACTIVE_STEPS and for_request:
+            await self._event(ws, "Normal", Reason.WOKEN_BY_REQUEST, S.finished(ws, status, asleep=False))
+        elif step in S.FINAL_STEPS or (step in S.ACTIVE_STEPS and ws.spec.desired_state == DesiredState.ACTIVE):
             # A settle-active that ends the rollback of a failed capture (Suspended still wanted) is no
             # success: the failure stays on record, so the backoff holds and grows. Cleared there, the
             # capture was retried at once, in a loop without backoff while the fault lasted.
             asleep = step in S.FINAL_STEPS
             await self._event(ws, "Normal", Reason.SUSPENDED if asleep else Reason.ACTIVE,
                               S.finished(ws, status, asleep=asleep))
-        elif step in S.ACTIVE_STEPS and S.woken_by_request(ws, status):
-            self._requests.pop(ws.key, None)  # on record now: the status says it (S.woken_by_request)
-            await self._event(ws, "Normal", Reason.WOKEN_BY_REQUEST, S.finished(ws, status, asleep=False))
         elif step in (Step.QUIESCE, Step.WAKE):
             await self._event(ws, "Normal", Reason.CAPTURING if step == Step.QUIESCE else Reason.WAKING,
                               f"{step.value} ({tier.value})")
@@ -313,7 +320,7 @@ class NodeAgent:
 
     async def _failed(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, step: Step, f: StepFailure,
                       obs: Observation | None = None) -> float | None:
-        if step in WAKE_STEPS and S.woken_by_request(ws, status) and obs is not None:
+        if step in WAKE_STEPS and (ws.key in self._requests or S.woken_by_request(ws, status)) and obs is not None:
             # A wake on request that failed: the requests the worker holds wait in its CUDA calls for a
             # wake that is not coming. Stopping the worker ends them with an error (their connections
             # close) within this bound, never a hang; its container starts it cold, and the controller
