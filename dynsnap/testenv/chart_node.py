@@ -34,7 +34,7 @@ from dynsnap.testenv import dynamo as D
 from dynsnap.testenv import real_graph, stub_gpu_stack
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.dynsnap_parts import ROOT, StubDriver, build_stub_driver
-from dynsnap.testenv.node import REAL_NODE_LABEL, RealNode, image_store, real_node_cidr
+from dynsnap.testenv.node import REAL_NODE_LABEL, RealNode, image_stores, real_node_cidr
 from dynsnap.testenv.workloads import Workloads, lift_not_ready_taint
 
 NODE = "node-real-0"
@@ -284,7 +284,7 @@ async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpu
         raise FileNotFoundError("$DYNSNAP_HELM is not set or not executable: run ./run setup")
     layouts = images_dir()
     node = RealNode(name=name, root=cluster.workdir / "nodes" / name, cp=cluster.cp, net=cluster.net,
-                    api=cluster.api, pod_cidr=real_node_cidr(cluster.net), image_store=image_store())
+                    api=cluster.api, pod_cidr=real_node_cidr(cluster.net), image_stores=image_stores())
     await node.start()
     work = Workloads(cluster.cp, work_root / "workloads")
     home = work_root / "helm"
@@ -295,7 +295,7 @@ async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpu
         await stub_gpu_stack.advertise(cluster.api, name, gpus=gpus)
         # Side by side: most of a first import is containerd unpacking layers file by file (a file's
         # creation costs this machine's kernel ~0.3 ms; 24k files in the Dynamo image). Into the image
-        # store of an earlier node (node.image_store), an unchanged image costs only its digests.
+        # store of an earlier node (node.image_stores), an unchanged image costs only its digests.
         names = ("dynsnap-entrypoint", "dynsnap-controller", "dynsnap-agent", "dynsnap-dynamo")
         refs = await asyncio.gather(*(node.import_image(layouts / image) for image in names))
         for image, ref in zip(names, refs, strict=True):

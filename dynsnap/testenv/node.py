@@ -12,11 +12,12 @@ server listens at the gateway, and the kubelet's API is served at that gateway a
 ``kubernetes`` Service's address that kubelet gives every container reaches the API server through
 stub_kube_proxy (the stand-in for kube-proxy, a CNI plugin chained after the bridge).
 Images come from OCI layouts imported into containerd's ``k8s.io`` namespace (:meth:`import_image`);
-nothing is ever pulled (containerd's only proxy is a dead loopback port). With ``image_store`` (a
+nothing is ever pulled (containerd's only proxy is a dead loopback port). With ``image_stores`` (each a
 directory that outlives the node: chart_node passes one in the local cache), containerd's root is
 kept there, as a real node keeps its images across restarts of its runtime: an image imported again
-unchanged costs containerd only its digests, not an unpack of every file (:func:`image_store`). One
-node at a time holds a store (a lock beside it); a node that finds it held keeps its own root.
+unchanged costs containerd only its digests, not an unpack of every file (:func:`image_stores`). One
+node at a time holds a store (a lock beside it): a node takes the first of its stores that is free
+(``./run test`` runs two sessions side by side, each with a node), and keeps its own root when none is.
 
 The control plane runs neither node IPAM nor node lifecycle (controlplane.py), so the Node is
 created here, with its podCIDR, before kubelet registers it (kubelet adopts it). ``stop`` deletes
@@ -108,11 +109,14 @@ def real_node_cidr(net: SandboxNetwork, index: int = 0) -> str:
     return str(subnets[200 + index])
 
 
-def image_store() -> Path:
-    """The image store a session's real nodes share, one at a time: in the local cache
-    (``$DYNSNAP_CACHE``, as ``./run setup`` sets it), so it also outlives the session."""
-    cache = os.environ.get("DYNSNAP_CACHE") or os.path.expanduser("~/.cache/dynsnap")
-    return Path(cache) / "node-image-store"
+IMAGE_STORES = 2  # the real nodes of this machine that keep their images at once (./run test's two lanes)
+
+
+def image_stores() -> tuple[Path, ...]:
+    """The image stores the machine's real nodes share, each held by one node at a time: in the local
+    cache (``$DYNSNAP_CACHE``, as ``./run setup`` sets it), so they also outlive the session."""
+    cache = Path(os.environ.get("DYNSNAP_CACHE") or os.path.expanduser("~/.cache/dynsnap"))
+    return tuple(cache / ("node-image-store" + (f"-{i}" if i else "")) for i in range(IMAGE_STORES))
 
 
 def hold_store(store: Path) -> int | None:
@@ -141,7 +145,7 @@ class RealNode:
     """One kubelet + containerd node. Create, :meth:`start`, and always :meth:`stop`."""
 
     def __init__(self, *, name: str, root: Path, cp: ControlPlane, net: SandboxNetwork, api: Kube, pod_cidr: str,
-                 bins: NodeBinaries | None = None, image_store: Path | None = None) -> None:
+                 bins: NodeBinaries | None = None, image_stores: tuple[Path, ...] = ()) -> None:
         if not _DNS_LABEL.fullmatch(name):
             raise ValueError(f"node name {name!r} is not a DNS label (a-z, 0-9, '-', at most 63): it names the "
                              "Node, its certificates and its cgroup root")
@@ -162,8 +166,8 @@ class RealNode:
         self.kube_proxy: dict[str, object] | None = None  # stub_kube_proxy's conflist entry (_register)
         self.containerd: Supervised | None = None
         self.kubelet: Supervised | None = None
-        self.image_store = image_store
-        self._store_lock: int | None = None  # the open, flock'ed lock file while this node holds the store
+        self.image_stores = image_stores
+        self._store_lock: int | None = None  # the open, flock'ed lock file while this node holds a store
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -177,9 +181,11 @@ class RealNode:
     async def _start(self) -> None:
         bins = self.bins = self.bins or NodeBinaries.from_env()
         await self._sweep_stale()
-        if self.image_store is not None and (lock := hold_store(self.image_store)) is not None:
-            self._store_lock = lock
-            self.layout = conf.NodeLayout(self.layout.root, self.image_store)
+        for store in self.image_stores:  # the first free one; none free: containerd's root under the node's
+            if (lock := hold_store(store)) is not None:
+                self._store_lock = lock
+                self.layout = conf.NodeLayout(self.layout.root, store)
+                break
         for d in self.layout.dirs():
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._make_cgroup_root()

@@ -16,7 +16,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dynsnap.testenv.netns import SandboxNetwork
-from dynsnap.testenv.node import RealNode, hold_store, image_ref, real_node_cidr
+from dynsnap.testenv.node import RealNode, hold_store, image_ref, image_stores, real_node_cidr
 from dynsnap.testenv.node_config import (
     KUBELET_NS_SCRIPT,
     POD_PIDS_LIMIT,
@@ -105,6 +105,21 @@ def test_an_image_store_is_containerds_root_and_one_node_holds_it_at_a_time(tmp_
     again = hold_store(store)
     assert again is not None, "the store stayed locked after its holder let it go"
     os.close(again)
+
+
+def test_the_two_lanes_nodes_each_find_a_store_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """./run test's two lanes each run a node at once: the stores are distinct directories of the cache,
+    and with the first held the second is still free."""
+    monkeypatch.setenv("DYNSNAP_CACHE", str(tmp_path))
+    stores = image_stores()
+    assert stores == (tmp_path / "node-image-store", tmp_path / "node-image-store-1")
+    held = [hold_store(s) for s in stores]
+    try:
+        assert all(fd is not None for fd in held), "one of the two stores was not free"
+    finally:
+        for fd in held:
+            if fd is not None:
+                os.close(fd)
 
 
 def test_kubelet_configuration_is_a_cgroupfs_node_that_writes_no_host_sysctl(tmp_path: Path) -> None:
