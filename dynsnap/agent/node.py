@@ -262,7 +262,7 @@ class NodeAgent:
         # This step ends (settle-active, engine-wake) the agent's own wake for a request: told by the request
         # still pending here, not only by the spec's generation, which the controller may have moved on
         # (its desiredState Active) while the wake ran.
-        for_request = S.is_open(status.last_wake) and (ws.key in self._requests or S.woken_by_request(ws, status))
+        for_request = S.is_open(status.last_wake) and self._for_request(ws, status)
         capture_id = status.last_capture.id if S.is_open(status.last_capture) and status.last_capture else None
         if step == Step.WAIT_HELPER:
             status.state = obs.state
@@ -312,6 +312,11 @@ class NodeAgent:
         await self._write(ws, S.progressing(ws, status, step))
         return 0.0 if step != Step.WAIT_HELPER else 1.0
 
+    def _for_request(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus) -> bool:
+        """The wake under way is the agent's own, for a request: the request still pending here, or on record
+        under the spec's generation (S.woken_by_request), which the controller may have moved on meanwhile."""
+        return ws.key in self._requests or S.woken_by_request(ws, status)
+
     async def _reobserve(self, subject: Subject) -> Observation | None:
         try:
             return await self.executor.observe(subject)
@@ -320,7 +325,7 @@ class NodeAgent:
 
     async def _failed(self, ws: WorkerSnapshot, status: WorkerSnapshotStatus, step: Step, f: StepFailure,
                       obs: Observation | None = None) -> float | None:
-        if step in WAKE_STEPS and (ws.key in self._requests or S.woken_by_request(ws, status)) and obs is not None:
+        if step in WAKE_STEPS and self._for_request(ws, status) and obs is not None:
             # A wake on request that failed: the requests the worker holds wait in its CUDA calls for a
             # wake that is not coming. Stopping the worker ends them with an error (their connections
             # close) within this bound, never a hang; its container starts it cold, and the controller
