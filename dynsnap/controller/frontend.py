@@ -2,8 +2,9 @@
 named policy ``dynsnap.k8s.retry.FRONTEND`` (attempts and total time capped, ``DYNSNAP_RETRY_INSTANT``
 honoured):
 
-- demand: ``/metrics`` -> ``dynamo_frontend_inflight_requests`` and ``dynamo_frontend_queued_requests``
-  summed over the models it serves (gauges; DESIGN.md section 3.1: the controller scrapes only
+- demand: ``/metrics`` -> ``dynamo_frontend_inflight_requests`` and ``dynamo_frontend_queued_requests``,
+  each summed over the models it serves (gauges; the queued requests are among those in flight:
+  ``plan.Demand``; DESIGN.md section 3.1: the controller scrapes only
   frontends, the agents scrape their own workers). Every opted-in graph's frontend is scraped every
   interval, so this GET is the controller's most frequent act: it goes over one kept-alive HTTP/1.1
   connection per frontend (:class:`MetricsScraper`), not through httpx, whose shared pool scans every

@@ -4,8 +4,8 @@ what each worker should be (awake or asleep) and why. A pure function, tested by
 Deterministic, so two reconciles of two workers of one component agree on who stays awake:
 
 - The component needs ``need = max(min-active, ceil(demand / wake-at-inflight))`` workers awake
-  (demand is the frontend's in-flight + queued requests for the graph; unknown demand never lets
-  a worker go to sleep, and wakes nothing).
+  (demand is the frontend's in-flight requests for the graph, its queued ones among them; unknown
+  demand never lets a worker go to sleep, and wakes nothing).
 - Awake workers are ranked to stay awake: manual override ``active`` first, then those not idle
   long enough, then the most recently active, then by name. A worker may go to sleep only when
   it is idle past ``idle-after`` and the awake, *ready* workers left without it are still at
@@ -100,12 +100,18 @@ class Decision:
 
 @dataclass(frozen=True)
 class Demand:
+    """A frontend's requests: in flight, and of those the ones not yet at their first token (queued).
+    Dynamo 1.6.1 counts a request in its queue gauge from its arrival to its first token and in its
+    in-flight gauge from its arrival to its end: the queue is a part of in-flight, not beside it
+    (tests/integration/node/test_dynamo.py). Summed, one request before its first token was a demand
+    of 2: at ``wake-at-inflight: 1`` it called off a quiesce for a single request (the demo, under load)."""
+
     inflight: float
     queued: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.inflight + self.queued
+        return max(self.inflight, self.queued)  # the queue alone where a page carries only that gauge
 
 
 def needed(policy: Policy, demand: Demand | None) -> int:
@@ -150,7 +156,7 @@ def _wakes(out: dict[str, Decision], *, awake: list[WorkerView], quiescing: list
         elif w in held and demand is not None and demand.total > 0:
             out[w.name] = Decision(Want.ASLEEP, "asleep routable: the requests that reach it wake it at its agent")
         elif deficit > 0 and w.override != suspended_override:
-            why = (f"demand {demand.total:g} (in flight + queued) needs {need} awake at "
+            why = (f"demand {demand.total:g} (in flight, {demand.queued:g} of them queued) needs {need} awake at "
                    f"{policy.wake_at_inflight:g} per worker; {need - deficit} awake or waking"
                    if demand is not None else f"min-active {policy.min_active}")
             out[w.name] = Decision(Want.AWAKE, why)

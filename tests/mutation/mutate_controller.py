@@ -361,6 +361,14 @@ MUTATIONS = (
         "    return True\n",
         tests=[UNACCEPTED_UNIT + "test_the_agents_capture_record_since_the_quiesce_decides"],
         modules=["dynsnap.controller.wake"]),
+    mutation(
+        "demand-queue-added", "the frontend's queued requests added to its in-flight ones, though Dynamo counts "
+        "a request before its first token in both (one request a demand of 2)", PLAN,
+        "        return max(self.inflight, self.queued)",
+        "        return self.inflight + self.queued",
+        tests=[PLAN_UNIT + "test_demand_sets_how_many_are_needed",
+               FRONTEND_UNIT + "test_demand_is_in_flight_over_every_model_its_queue_among_them"],
+        modules=["dynsnap.controller.plan"]),
 )
 
 SUITE = Suite(

@@ -152,7 +152,10 @@ def test_demand_sets_how_many_are_needed() -> None:
     assert needed(POLICY, Demand(0)) == 1
     assert needed(POLICY, Demand(4)) == 1
     assert needed(POLICY, Demand(4.5)) == 2
-    assert needed(POLICY, Demand(inflight=5, queued=4)) == 3
+    # The queue is a part of in-flight (Dynamo's gauges): 5 in flight, 4 of them queued, is 5, not 9.
+    assert needed(POLICY, Demand(inflight=5, queued=4)) == 2
+    assert needed(replace(POLICY, wake_at_inflight=1.0), Demand(inflight=1, queued=1)) == 1
+    assert needed(POLICY, Demand(inflight=0, queued=9)) == 3  # a page with the queue gauge alone
     assert needed(replace(POLICY, min_active=3), Demand(1)) == 3
     # Idle workers stay awake while the demand needs them.
     got = wants([w("a", S), w("b", S), w("c", S)], demand=Demand(inflight=6))

@@ -1,5 +1,6 @@
 """What the controller reads from a Dynamo frontend, as pure functions (dynsnap/controller/frontend.py):
-the demand on its ``/metrics`` page (in-flight and queued requests summed over its models; a page
+the demand on its ``/metrics`` page (in-flight and queued requests, each summed over its models, the
+queue a part of in-flight; a page
 that is no frontend's refused), the headers that pin a request (decimal ids), and whether a pinned
 answer names every worker it was pinned to (a decode worker's answer: both ids)."""
 
@@ -20,7 +21,7 @@ dynamo_frontend_inflight_requests{model="tiny"} 3
 dynamo_frontend_inflight_requests{model="other"} 2
 # HELP dynamo_frontend_queued_requests Number of requests in HTTP processing queue
 # TYPE dynamo_frontend_queued_requests gauge
-dynamo_frontend_queued_requests{model="tiny"} 4
+dynamo_frontend_queued_requests{model="tiny"} 2
 # HELP dynamo_frontend_requests_total Total number of LLM requests processed
 # TYPE dynamo_frontend_requests_total counter
 dynamo_frontend_requests_total{endpoint="chat_completions",model="tiny",request_type="unary",status="success"} 917
@@ -32,10 +33,10 @@ dynamo_frontend_inflight_requests_total{model="tiny"} 999
 """
 
 
-def test_demand_sums_in_flight_and_queued_over_every_model() -> None:
+def test_demand_is_in_flight_over_every_model_its_queue_among_them() -> None:
     d = parse_demand(PAGE)
-    assert d == Demand(inflight=5.0, queued=4.0)
-    assert d.total == 9.0
+    assert d == Demand(inflight=5.0, queued=2.0)
+    assert d.total == 5.0  # a request before its first token is in both gauges: counted once
 
 
 def test_a_frontend_that_has_served_nothing_yet_has_no_demand() -> None:

@@ -11,22 +11,30 @@ frontend and mocker workers pods of kubelet, containerd and runc with Kubernetes
 - the ``dynsnap.io/serving`` readiness gate, set False as dynsnap sets it (the controller scaled to 0,
   so nobody puts it back), takes kubelet's Ready and the EndpointSlice endpoint away and the frontend
   stops routing to the worker: a request pinned to it is refused, never served by another, unpinned ones
-  all go to its peer; set True, the same worker (the same DWM, the same instance id) is routed to again.
+  all go to its peer; set True, the same worker (the same DWM, the same instance id) is routed to again;
+- a request not yet at its first token counts in both of the frontend's gauges,
+  ``dynamo_frontend_inflight_requests`` and ``dynamo_frontend_queued_requests`` (the queue is a part of
+  in-flight, not beside it): the controller's demand for one such request is 1, not 2.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 from realnodeenv import Env, deployed, instance_id, scale_controller
+from realnodefacts import container_procs, stopped
 
+from dynsnap.controller.frontend import Frontend
+from dynsnap.controller.plan import Demand
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv import chart_node, real_graph
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.real_graph import kubelet_facts
 
 pytestmark = pytest.mark.cluster
 
@@ -142,3 +150,36 @@ async def test_disaggregated_pair_serves_a_request_pinned_with_both_headers(env:
             assert (res.worker_id, res.prefill_worker_id) == (decode_id, prefill_id)
         finally:
             await fe.close()
+
+
+async def test_a_request_before_its_first_token_is_in_flight_and_queued_at_once(env: Env, agg: real_graph.Graph,
+                                                                               fe: D.FrontendClient) -> None:
+    """The worker's processes stopped (SIGSTOP, its entrypoint running), a request pinned to it gets no
+    first token: the frontend's page counts it once in flight and once queued, and the controller's own
+    scrape makes that a demand of 1. Continued, the worker answers it and both gauges are 0 again."""
+    w = _workers(agg)[0]
+    wid = await instance_id(env, w)
+    await fe.wait_routable(wid, timeout=60)
+    procs = container_procs(w.uid, (await kubelet_facts(env.api, w)).container_id)
+    front = Frontend(timeout=5)
+    base = f"http://{agg.frontend.ip}:{P.DYNAMO_FRONTEND_PORT}"
+    try:
+        with stopped(list(procs.tree)):
+            held = asyncio.create_task(fe.chat("held before its first token", worker_id=wid, max_tokens=2))
+
+            async def counted() -> Demand | None:
+                d = await front.demand(base)
+                return d if d.inflight > 0 else None
+            d = await wait_for("the held request on the frontend's page", counted, timeout=30, interval=0.2)
+            assert (d.inflight, d.queued, d.total) == (1.0, 1.0, 1.0), d
+            assert not held.done()
+        res = await asyncio.wait_for(held, 60)
+        assert res.status == 200 and res.worker_id == wid, res.body
+
+        async def drained() -> Demand | None:
+            d = await front.demand(base)
+            return d if d.total == 0 else None
+        after = await wait_for("both gauges back to 0", drained, timeout=30, interval=0.2)
+        assert (after.inflight, after.queued) == (0.0, 0.0)
+    finally:
+        await front.close()
