@@ -86,15 +86,25 @@ async def _describe(env: Env, tl: S.Timeline) -> None:
 
 
 async def _deploy(env: Env, tl: S.Timeline) -> Graph:
+    """The graph's pods created and running on the node, not yet Ready (:func:`_until_ready`)."""
     body = chart_node.example_body(env, policy=_annotations(POLICY), name="demo", worker_replicas=WORKERS,
                                    speedup_ratio=1)
     tl.step(f"applying examples/dgd/agg.yaml as DGD demo (local images, the mocker, {WORKERS} workers), annotated "
             + ", ".join(f"{k}={v}" for k, v in POLICY.items()))
-    graph = await chart_node.deploy_example(env, body)
+    return await chart_node.deploy_example(env, body, ready=False)
+
+
+async def _until_ready(env: Env, graph: Graph, tl: S.Timeline) -> None:
+    """Every pod of ``graph`` Ready and its frontend listing the model. The kubelet's account is watched
+    from before this: with ``idle-after: 4s`` the controller may take an idle worker out of serving
+    before a first look taken only now (seen under load: the first state a watch begun here saw was
+    already gate False/Ready False)."""
     pods = [p for ps in graph.pods.values() for p in ps]
+    await asyncio.gather(*(env.cluster.wait_ready(p.namespace, p.name, timeout=240) for p in pods))
+    assert env.fe is not None
+    await env.fe.wait_model(timeout=120)
     tl.step("all pods Ready on the node (the controller set each worker's serving gate): "
             + ", ".join(f"{p.name}@{p.ip}" for p in pods))
-    return graph
 
 
 async def _capture_then_load(env: Env, tl: S.Timeline, narrator: S.Narrator
@@ -172,12 +182,14 @@ def _check_kubelet(tl: S.Timeline, watch: S.KubeletWatch, slept: set[str], *, wh
                      f"in {watch.looks} looks")
         else:
             tl.check(False, f"{name}: kubelet reported containers {seen}")
-        states = " -> ".join(f"gate {g}/Ready {r}" for g, r in watch.states[name])
+        since = watch.since_ready(name)  # from the first look that saw it Ready
+        states = " -> ".join(f"gate {g}/Ready {r}" for g, r in since)
         if name in slept:  # through_gate: back in serving after a not-Ready state, only ever out by the gate
             tl.check(watch.through_gate(name),
                      f"{name}: Ready False and True again only through the serving gate ({states})")
         else:
-            tl.check(all(r for _, r in watch.states[name][1:]), f"{name}: Ready all along{why_ready} ({states})")
+            tl.check(bool(since) and all(r for _, r in since),
+                     f"{name}: Ready all along{why_ready} ({states or 'never seen Ready'})")
 
 
 async def _wake_on_request(env: Env, tl: S.Timeline, narrator: S.Narrator) -> S.KubeletWatch:
@@ -260,6 +272,7 @@ async def _run(workdir: Path, timeline_out: Path) -> int:
                            fake_nodes=False)
     env: Env | None = None
     stop_watching = asyncio.Event()
+    stop_kubelet = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
     try:
         env = await _start(cluster, workdir, tl)
@@ -270,10 +283,11 @@ async def _run(workdir: Path, timeline_out: Path) -> int:
         workers = graph.workers(WORKER_COMPONENT)
         watch = S.KubeletWatch(api, {p.name: p.namespace for p in workers})
         await watch.look()
-        # kubelet's account of scenes 1 and 2 (after them, idle again, the workers may well sleep again)
-        stop_kubelet = asyncio.Event()
+        # kubelet's account of scenes 1 and 2, from before the pods are Ready (after the scenes, idle
+        # again, the workers may well sleep again)
         kubelet_task = asyncio.create_task(watch.run(stop_kubelet))
         tasks = [asyncio.create_task(narrator.run(stop_watching)), kubelet_task]
+        await _until_ready(env, graph, tl)
         before = {p.name: await api.get(R.PODS, p.name, namespace=p.namespace) for p in workers}
         sleeping, proofs, loads = await _capture_then_load(env, tl, narrator)
         await _check_wakes(env, graph, tl, before, sleeping, proofs, loads)
@@ -292,6 +306,7 @@ async def _run(workdir: Path, timeline_out: Path) -> int:
             print(await env.dump_logs(), file=sys.stderr)
     finally:
         stop_watching.set()
+        stop_kubelet.set()
         for t in tasks:
             with contextlib.suppress(Exception):
                 await t

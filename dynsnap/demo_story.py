@@ -146,7 +146,7 @@ class Narrator:
 class KubeletWatch:
     """The kubelet's own account of each watched pod, polled: the states it went through, as
     (serving gate, Ready) pairs with repeats dropped, and its main container's id and restartCount
-    at every look (read-only)."""
+    at every look once it has one (read-only)."""
 
     def __init__(self, api: Kube, pods: dict[str, str], container: str = "main") -> None:
         self.api = api
@@ -164,20 +164,27 @@ class KubeletWatch:
             if not self.states[name] or self.states[name][-1] != state:
                 self.states[name].append(state)
             for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-                if cs["name"] == self.container:
+                # no id yet while the pod's init containers run (the watch begins as the pod starts)
+                if cs["name"] == self.container and cs.get("containerID"):
                     self.containers[name].add((cs.get("containerID", ""), int(cs.get("restartCount", 0))))
         self.looks += 1
+
+    def since_ready(self, name: str) -> list[tuple[str, bool]]:
+        """``name``'s states from the first look that saw it Ready (none, if never): a watch begun as the
+        pod starts sees it not Ready first, before the controller has let it serve."""
+        seen = self.states[name]
+        first = next((i for i, (_, ready) in enumerate(seen) if ready), len(seen))
+        return seen[first:]
 
     def through_gate(self, name: str) -> bool:
         """Every time ``name`` was seen not Ready after it first was, its serving gate was False then or
         just before (out of serving only by the gate), and it was seen Ready again after being not Ready
         at least once (back in serving)."""
-        seen = self.states[name]
-        first = next((i for i, (_, ready) in enumerate(seen) if ready), None)
-        if first is None:
+        seen = self.since_ready(name)
+        if not seen:
             return False
         back = False
-        for i in range(first + 1, len(seen)):
+        for i in range(1, len(seen)):
             gate, ready = seen[i]
             if not ready and gate != "False" and seen[i - 1][0] != "False":
                 return False

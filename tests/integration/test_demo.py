@@ -25,6 +25,8 @@ def test_demo_runs_the_cycle_and_leaves_nothing_behind(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "dynsnap", "demo", "--timeline-out", str(png)], capture_output=True,
                        text=True, timeout=420, env=dict(os.environ), stdin=subprocess.DEVNULL)
     out = r.stdout
+    print(out)  # whole, in the captured output a failure shows: the Events of the demo's start tell why
+    print(r.stderr, file=sys.stderr)
     assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
     assert "FAILED" not in out
     for line in ("Ready: kubelet v1.", "containerd://1.", "helm install done: dynsnap-node-controller-",
