@@ -11,6 +11,7 @@ copy under another UID).
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -72,5 +73,6 @@ async def test_a_stale_cached_gate_is_confirmed_from_the_api_server(cluster: Loc
         assert serving is None and pod is earlier
     finally:
         await agent.close()
+        shutil.rmtree(work, ignore_errors=True)  # the agent's token: not left behind in /tmp
         with contextlib.suppress(NotFound):
             await cluster.api.delete(R.PODS, name, namespace=TEST_NAMESPACE, grace_period_seconds=0)

@@ -92,17 +92,21 @@ def tampered(case: str, genuine: Obj, node_file: Path) -> bytes | None:
 
 
 def back_in_serving(since: datetime) -> Callable[[Obj | None], bool]:
-    """Active asked and no quiesce open; one begun since ``since`` closed as called off (ok False) and
-    the return after it verified by pinned requests (the controller's verification record)."""
+    """Active asked and no quiesce open; one begun since ``since`` closed, and the capture called off:
+    the quiesce itself (ok False: the refusal came during it), or the capture asked after it (the
+    quiesce ok, the capture ok False: the refusal came after). Then the return verified by pinned
+    requests (the controller's verification record, begun after the quiesce)."""
     def check(ws: Obj | None) -> bool:
         if not ws or ws["spec"].get("desiredState") != "Active":
             return False
         ctl = (ws.get("status") or {}).get("controller") or {}
-        q, v = ctl.get("quiesce"), ctl.get("verification") or {}
+        q, cap, v = ctl.get("quiesce"), ctl.get("capture") or {}, ctl.get("verification") or {}
         if not q or datetime.fromisoformat(q["started"]) < since:
             return True  # refused before the controller began taking it out: it never left
-        return bool(q.get("finished") and q.get("ok") is False and v.get("ok") is True
-                    and v["started"] >= q["started"])
+        started = datetime.fromisoformat(q["started"])
+        capture_off = bool(cap) and cap.get("ok") is False and datetime.fromisoformat(cap["started"]) >= started
+        return bool(q.get("finished") and (q.get("ok") is False or capture_off) and v.get("ok") is True
+                    and datetime.fromisoformat(v["started"]) >= started)
     return check
 
 
