@@ -104,7 +104,7 @@ class Demand:
     Dynamo 1.6.1 counts a request in its queue gauge from its arrival to its first token and in its
     in-flight gauge from its arrival to its end: the queue is a part of in-flight, not beside it
     (tests/integration/node/test_dynamo.py). Summed, one request before its first token was a demand
-    of 2: at ``wake-at-inflight: 1`` it called off a quiesce for a single request (the demo, under load)."""
+    of 2, enough at ``wake-at-inflight: 1`` to call off a quiesce for a single request."""
 
     inflight: float
     queued: float = 0.0
