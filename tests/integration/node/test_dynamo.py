@@ -163,6 +163,7 @@ async def test_a_request_before_its_first_token_is_in_flight_and_queued_at_once(
     procs = container_procs(w.uid, (await kubelet_facts(env.api, w)).container_id)
     front = Frontend(timeout=5)
     base = f"http://{agg.frontend.ip}:{P.DYNAMO_FRONTEND_PORT}"
+    held: asyncio.Task[D.ChatResult] | None = None
     try:
         with stopped(list(procs.tree)):
             held = asyncio.create_task(fe.chat("held before its first token", worker_id=wid, max_tokens=2))
@@ -182,4 +183,6 @@ async def test_a_request_before_its_first_token_is_in_flight_and_queued_at_once(
         after = await wait_for("both gauges back to 0", drained, timeout=30, interval=0.2)
         assert (after.inflight, after.queued) == (0.0, 0.0)
     finally:
+        if held is not None and not held.done():  # a check failed before it was answered
+            held.cancel()
         await front.close()
