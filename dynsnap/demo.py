@@ -99,10 +99,8 @@ async def _until_ready(env: Env, graph: Graph, tl: S.Timeline) -> None:
     from before this: with ``idle-after: 4s`` the controller may take an idle worker out of serving
     before a first look taken only now (seen under load: the first state a watch begun here saw was
     already gate False/Ready False)."""
+    await chart_node.wait_graph_ready(env, graph)
     pods = [p for ps in graph.pods.values() for p in ps]
-    await asyncio.gather(*(env.cluster.wait_ready(p.namespace, p.name, timeout=240) for p in pods))
-    assert env.fe is not None
-    await env.fe.wait_model(timeout=120)
     tl.step("all pods Ready on the node (the controller set each worker's serving gate): "
             + ", ".join(f"{p.name}@{p.ip}" for p in pods))
 

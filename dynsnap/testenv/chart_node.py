@@ -243,15 +243,27 @@ def example_body(env: Env, *, policy: dict[str, str], example: Path = EXAMPLE, *
 async def deploy_example(env: Env, body: Obj, *, timeout: float = 240, ready: bool = True) -> real_graph.Graph:
     """Deploy ``body`` on the node; returns once every pod of it is Ready (the controller sets each
     new worker's serving gate, then the probes make them Ready) and its frontend lists the model
-    (``ready=False``: once every pod has its IP, for a graph the controller must not serve); the
-    graph and its frontend's client are ``env.graph`` and ``env.fe``."""
+    (``ready=False``: once every pod has its IP, for a graph the controller must not serve, or one whose
+    readiness the caller waits for itself with :func:`wait_graph_ready`); the graph and its frontend's
+    client are ``env.graph`` and ``env.fe``."""
     # The stand-in driver's state of earlier graphs' deleted pods goes first (the real driver's went
     # with their processes): a new pod whose pid namespace reuses an inode must not inherit it.
     env.driver.forget_dead_namespaces()
     graph = await real_graph.deploy(env.api, body, node=env.node.name)
     env.graphs.append(graph)
     env.graph = graph
-    pods = [p for ps in graph.pods.values() for p in ps] if ready else []
+    if env.fe is not None:
+        await env.fe.close()
+    env.fe = D.FrontendClient(graph.frontend, timeout=120.0)
+    if ready:
+        await wait_graph_ready(env, graph, timeout=timeout)
+    return graph
+
+
+async def wait_graph_ready(env: Env, graph: real_graph.Graph, *, timeout: float = 240) -> None:
+    """Every pod of ``graph`` Ready and its frontend (``env.fe``) listing the model; on timeout, why each
+    pod is not (its containers' states and conditions, its log, the stand-in driver's states)."""
+    pods = [p for ps in graph.pods.values() for p in ps]
     try:
         await asyncio.gather(*(env.cluster.wait_ready(p.namespace, p.name, timeout=timeout) for p in pods))
     except TimeoutError:
@@ -264,12 +276,8 @@ async def deploy_example(env: Env, body: Obj, *, timeout: float = 240, ready: bo
                 print(f"--- {p.name} main ---\n" + await env.pod_log(p.namespace, p.name, "main", tail=60))
         print("stub driver states (nskey -> state):", env.driver.states())
         raise
-    if env.fe is not None:
-        await env.fe.close()
-    env.fe = D.FrontendClient(graph.frontend, timeout=120.0)
-    if ready:
-        await env.fe.wait_model(timeout=120)
-    return graph
+    assert env.fe is not None
+    await env.fe.wait_model(timeout=120)
 
 
 async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpus: int = 2,
