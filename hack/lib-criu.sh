@@ -29,6 +29,9 @@ CRIU_TEST_DEPS=(patchelf)
 #   0002  the restorer reads the pages image with several threads (DYNSNAP_CRIU_READ_THREADS,
 #         default one per CPU up to 16): faulting in, zeroing and copying the process's memory
 #         is most of a snapshot wake, and it scales with CPUs.
+#   0003  --tree-mntns: a dump takes the tree's mount namespace as CRIU's own, reached through the
+#         tree root's /proc/<pid>/root, so CRIU never runs in a worker's mount namespace (its
+#         loader would read the pod's /etc/ld.so.preload there): dynsnap/agent/criu.py.
 CRIU_PATCH_DIR="$ROOT/hack/patches/criu"
 # Sourcing must not need more than bash (tests/unit/test_setup_go.py sources setup.sh with a PATH
 # of bash, dirname and mkdir only): without sha256sum the key is "unhashed", and setup_criu, which

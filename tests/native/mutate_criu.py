@@ -23,6 +23,7 @@ from tests.mutation.runner import Suite, main, mutation
 
 HUGE = "hack/patches/criu/0001-restorer-hugepage-before-reading-pages.patch"
 PAR = "hack/patches/criu/0002-restorer-parallel-page-reads.patch"
+TREE = "hack/patches/criu/0003-tree-mntns.patch"
 
 T = "tests/native/test_criu_patches.py::"
 ON_HUGE = T + "test_a_hugepage_mapping_is_restored_on_huge_pages"
@@ -30,6 +31,7 @@ PARALLEL = T + "test_pages_are_read_by_several_threads_and_every_byte_and_thread
 ONE = T + "test_one_read_thread_reads_as_stock_criu"
 BAD_COUNT = T + "test_a_bad_read_thread_count_is_reported_and_the_default_used"
 ENDS_EARLY = T + "test_an_image_that_ends_early_fails_the_restore_with_the_read_error"
+OUTSIDE = T + "test_a_tree_is_dumped_from_outside_its_mount_namespace_and_restored_into_it"
 
 MUTATIONS = (
     mutation(
@@ -82,6 +84,23 @@ MUTATIONS = (
         "+		if (*end == '\\0' && v >= 1 && v <= PAGES_READ_THREADS_MAX)",
         "+		if (*end == '\\0' && v >= 2 && v <= PAGES_READ_THREADS_MAX)",
         tests=[ONE]),
+    mutation(
+        "tree-mntns-is-criu's-own", "0003: the mount namespace CRIU takes as its own is its own, not the tree's", TREE,
+        "+	proc_dir = open_pid_proc(tree_mntns_for(pid, nd) ? opts.tree_id : pid);",
+        "+	proc_dir = open_pid_proc((0 && tree_mntns_for(pid, nd)) ? opts.tree_id : pid);",
+        tests=[OUTSIDE]),
+    mutation(
+        "mountinfo-of-criu", "0003: the mounts are read from CRIU's own mountinfo, not the tree root's", TREE,
+        "+	nsid_add(nsid, nd, ns_next_id++, (type == NS_CRIU && nd == &mnt_ns_desc && opts.tree_mntns) ? opts.tree_id "
+        ": pid);",
+        "+	nsid_add(nsid, nd, ns_next_id++, (0 && type == NS_CRIU && nd == &mnt_ns_desc && opts.tree_mntns) ? "
+        "opts.tree_id : pid);",
+        tests=[OUTSIDE]),
+    mutation(
+        "root-of-criu", "0003: the tree's files looked up from CRIU's own root, not the tree root's", TREE,
+        "+		if (opts.tree_mntns && opts.tree_id > 0) {",
+        "+		if (0 && opts.tree_mntns && opts.tree_id > 0) {",
+        tests=[OUTSIDE]),
 )
 
 SUITE = Suite(

@@ -12,6 +12,12 @@ resume after it (docs/BENCHMARKS.md, "CRIU's restore onto huge pages").
 per CPU, at most 16). Every byte and every thread of the process comes back as with one reader;
 one thread reads as stock CRIU does; a bad count is reported and the default used; an image
 that ends early fails the restore with the read's error instead of a process with holes.
+
+0003: ``--tree-mntns``: CRIU, started by dynsnap-nsexec in a container's pid and other namespaces but in a
+mount namespace of its own (never the container's), dumps a tree that holds a file open on a mount only the
+container has, without dumping the container's mount namespace (its files reached through the tree root),
+and a restore that joins the container's mount namespace (``--join-ns mnt``) puts the tree back there,
+writing on to the same file. Without the option CRIU takes the container's mount namespace for one to dump.
 """
 
 from __future__ import annotations
@@ -205,3 +211,125 @@ def test_an_image_that_ends_early_fails_the_restore_with_the_read_error(tmp_path
     assert "Can't read pages data (-5)" in run.log, run.log[-3000:]
     # CRIU killed and reaped what it had begun to restore: no process holds the pid.
     _wait_gone(run.before["pid"], timeout=10)
+
+
+# -- 0003: --tree-mntns ----------------------------------------------------------------------------------------
+
+NSEXEC = Path(os.environ.get("DYNSNAP_NATIVE_BIN", Path(__file__).resolve().parents[2] / "native" / "build")) \
+    / "dynsnap-nsexec"
+# The worker: holds a file open on a tmpfs only its container mounts and appends a line to it every 50 ms.
+APPENDER = "import os, sys, time\nf = open(sys.argv[1], 'a', buffering=1)\nn = 0\nwhile True:\n" \
+           "    n += 1\n    f.write(f'{os.getpid()} {n}\\n')\n    time.sleep(0.05)\n"
+
+
+@dataclass
+class _Box:
+    """A container: PID 1 (a shell) of its own pid namespace, in a mount namespace of its own where a tmpfs
+    at ``mnt`` exists (the node has no such mount), and the appender under it."""
+
+    proc: subprocess.Popen[bytes]
+    mnt: Path
+    pid1: int = 0
+    worker: int = 0  # host pid
+    worker_ns: int = 0  # its pid in the container
+
+    def lines(self) -> list[str]:
+        # the file is reached through the container's root: the node does not have the tmpfs
+        return Path(f"/proc/{self.pid1}/root{self.mnt}/log").read_text().splitlines()
+
+
+def _box(tmp_path: Path) -> _Box:
+    mnt = tmp_path / "container-only"
+    mnt.mkdir()
+    script = tmp_path / "appender.py"
+    script.write_text(APPENDER)
+    inner = (f"mount -t tmpfs dynsnap-0003 {mnt} && (setsid {sys.executable} {script} {mnt}/log "
+             "</dev/null >/dev/null 2>&1 &) && while true; do sleep 1; done")
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--mount", "--propagation",
+                             "private", "--", "sh", "-c", inner], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    box = _Box(proc, mnt)
+    for _ in range(200):
+        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split() if proc.poll() is None else []
+        if kids:
+            box.pid1 = int(kids[0])
+            for k in Path(f"/proc/{box.pid1}/task/{box.pid1}/children").read_text().split():
+                if "appender.py" in Path(f"/proc/{k}/cmdline").read_text():
+                    box.worker = int(k)
+        if box.worker:
+            with contextlib.suppress(OSError):
+                if box.lines():
+                    break
+        time.sleep(0.05)
+    assert box.worker, "the container's worker did not start"
+    status = Path(f"/proc/{box.worker}/status").read_text()
+    box.worker_ns = int(status.split("NSpid:")[1].split("\n")[0].split()[-1])
+    return box
+
+
+def _in_box(box: _Box, args: list[str], *, join: bool) -> subprocess.CompletedProcess[bytes]:
+    """CRIU as the agent starts it: dynsnap-nsexec, the container's pid namespace, a mount namespace of its own."""
+    fd = os.pidfd_open(box.pid1)
+    try:
+        launcher = [str(NSEXEC), "--target-pidfd", str(fd), "--ns", "pid,ipc,uts,cgroup", "--private-mounts",
+                    *(["--mntns-fd", str(fd + 1)] if join else []), "--"]
+        argv = [a.replace("{mntns}", f"/proc/self/fd/{fd + 1}") for a in args]
+        return subprocess.run([*launcher, str(_criu()), *argv], pass_fds=[fd], timeout=120,
+                              stdin=subprocess.DEVNULL, capture_output=True)
+    finally:
+        os.close(fd)
+
+
+def test_a_tree_is_dumped_from_outside_its_mount_namespace_and_restored_into_it(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU dumps and restores as root")
+    box = _box(tmp_path)
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    try:
+        dumped = _in_box(box, ["dump", "--tree-mntns", "-t", str(box.worker_ns), "-D", str(images),
+                               "-o", str(images / "dump.log"), "-v4", "--no-default-config"], join=False)
+        assert dumped.returncode == 0, (images / "dump.log").read_text(errors="replace")[-3000:]
+        assert not list(images.glob("mountpoints-*.img")), "the container's mount namespace was dumped"
+        _wait_gone(box.worker)
+        written = len(box.lines())
+        restored = _in_box(box, ["restore", "-D", str(images), "-o", str(images / "restore.log"), "-v4",
+                                 "--no-default-config", "--restore-detached", "--pidfile", str(images / "pid"),
+                                 "--join-ns", "mnt:{mntns}"], join=True)
+        assert restored.returncode == 0, (images / "restore.log").read_text(errors="replace")[-3000:]
+        for _ in range(100):
+            if len(box.lines()) > written + 3:
+                break
+            time.sleep(0.05)
+        last = box.lines()[-1].split()
+        assert int(last[0]) == box.worker_ns and int(last[1]) > written, "the same worker writes on to the same file"
+        host = next(int(k) for k in Path(f"/proc/{box.pid1}/task/{box.pid1}/children").read_text().split()
+                    if "appender.py" in Path(f"/proc/{k}/cmdline").read_text())
+        assert os.readlink(f"/proc/{host}/ns/mnt") == os.readlink(f"/proc/{box.pid1}/ns/mnt")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(box.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(box.pid1, signal.SIGKILL)
+        box.proc.wait(timeout=30)
+
+
+def test_without_tree_mntns_the_containers_mount_namespace_is_taken_for_one_to_dump(tmp_path: Path) -> None:
+    """Why the patch: stock CRIU, outside the tree's mount namespace, takes it for one to dump (and a restore
+    would make it anew): the log says so, and the tree is left running."""
+    if os.geteuid() != 0:
+        pytest.skip("CRIU dumps and restores as root")
+    box = _box(tmp_path)
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    try:
+        _in_box(box, ["dump", "-t", str(box.worker_ns), "-D", str(images), "-o", str(images / "dump.log"), "-v4",
+                      "--no-default-config", "--leave-running"], join=False)
+        assert "Will take mnt namespace in the image" in (images / "dump.log").read_text(errors="replace")
+        assert Path(f"/proc/{box.worker}").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(box.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(box.pid1, signal.SIGKILL)
+        box.proc.wait(timeout=30)
