@@ -22,24 +22,40 @@ DUMP_DONE = "Dumping finished successfully"
 
 class CriuError(RuntimeError):
     """CRIU failed or timed out. ``errors`` holds the ``Error (file:line): ...`` and ``Warn (...)`` lines of
-    its log (the last :data:`ERROR_LINES_KEPT`), ``log_tail`` the end of the log, ``cause`` a short name of the
-    known cause found in the error lines (``io_uring``, ``no_space``, ``pid_taken``,
-    ``image_unreadable``, ``traced``, ``timeout``...; the tail is searched only when they name none),
-    and :attr:`summary` what a person reads first: the error lines, or the tail without them."""
+    its log (the last :data:`ERROR_LINES_KEPT`), ``log_tail`` the end of the log, ``decisive`` the one of
+    them that ended the run (:func:`decisive`), ``cause`` a short name of the known cause (``io_uring``,
+    ``no_space``, ``pid_taken``, ``image_unreadable``, ``traced``, ``launcher``, ``timeout``...: read from
+    the decisive line first, then every error line, then the tail's talk of errors, and where CRIU left no
+    log at all from ``message``, what the agent saw of the run), and :attr:`summary` what a person reads
+    first."""
 
     def __init__(self, message: str, *, log_path: Path, timed_out: bool = False) -> None:
+        self.message = message
         self.log_path = log_path
         self.log_tail = tail(log_path)
         self.errors = error_lines(log_path)
+        self.decisive = decisive(self.errors)
         self.timed_out = timed_out
-        self.cause = "timeout" if timed_out else classify("\n".join(self.errors), self.log_tail)
+        if timed_out:
+            self.cause = "timeout"
+        elif self.errors or self.log_tail != NO_LOG:
+            self.cause = classify("\n".join(self.errors), self.log_tail, first=self.decisive)
+        else:  # CRIU never wrote its log (it did not start): what the agent saw is all there is
+            self.cause = classify(message)
         super().__init__(f"{message} [{self.cause}]\n--- {log_path} ---\n{self.summary}")
 
     @property
     def summary(self) -> str:
-        """CRIU's own error and warning lines (the cause, not the last lines it logged before giving up, which at -v4
-        are often its vdso or cgroup chatter); the log's tail where it logged no error line."""
-        return "\n".join(self.errors) if self.errors else self.log_tail
+        """CRIU's own error and warning lines, the one that ended the run first (not the last lines it logged
+        before giving up, which at -v4 are often its vdso or cgroup chatter, nor an earlier error it went on
+        from); the agent's own account and the log's tail where it logged no error line; the agent's
+        account alone where there is no log (a CRIU that never started: its launcher's words)."""
+        if self.errors:
+            rest = [x for x in self.errors if x != self.decisive]
+            return "\n".join(([self.decisive] if self.decisive else []) + rest)
+        if self.log_tail == NO_LOG:
+            return self.message
+        return f"{self.message}\n{self.log_tail}"
 
 
 # hack/patches/criu/0002: each restored process's restorer says how it read its pages, at -v4 and above.
@@ -73,6 +89,8 @@ def pages_read(log_path: Path) -> PagesRead | None:
 
 
 _CAUSES = (
+    # CRIU never ran: its launcher (dynsnap-nsexec) failed or refused, and said why.
+    ("launcher", re.compile(r"dynsnap-nsexec:", re.I)),
     ("io_uring", re.compile(r"io_uring|Can't retrieve FDs|send_fds failed", re.I)),
     ("no_space", re.compile(r"No space left on device|ENOSPC|errno 28\b|\(28\)", re.I)),
     ("pid_taken", re.compile(r"(clone|fork).*(File exists|EEXIST)|Pid \d+ already|set_next_pid|ns_last_pid", re.I)),
@@ -80,7 +98,9 @@ _CAUSES = (
     # corrupted or partly deleted capture: no retry makes it restorable).
     ("image_unreadable", re.compile(r"Failed unpacking object|Unexpected EOF|Can't open .*\.img|"
                                     r"(read|open)[^\n]*\.img[^\n]*(No such file|Input/output)|"
-                                    r"Unable to open [^\n]*\.img|magic mismatch|Bad magic", re.I)),
+                                    r"Unable to open [^\n]*\.img|magic mismatch|Bad magic|"
+                                    # damaged pages: the restorer finds no ELF where the vDSO was dumped
+                                    r"Invalid ELF magic", re.I)),
     # Another tracer holds a task (a debugger, strace): CRIU cannot seize it.
     ("traced", re.compile(r"Unable to interrupt task|Unable to seize", re.I)),
     ("tcp", re.compile(r"tcp|socket", re.I)),
@@ -95,11 +115,25 @@ ERROR_LINES_KEPT = 12  # the last ones: the first of a failure is usually among 
 _ERROR_LINE_MAX = 400  # characters of one line kept
 
 
-def classify(errors: str, log_tail: str = "") -> str:
-    """A short name for the first known cause in CRIU's error lines (``errors``); where they name none,
-    in the lines of ``log_tail`` that speak of an error (or, with none such, all of it); ``unknown``
-    when nothing matches."""
-    for text in (errors, "\n".join(x for x in log_tail.splitlines() if "err" in x.lower()) or log_tail):
+# Error lines that only report a failure's consequences (the cascade CRIU logs after the line that ended the
+# run), and the one error CRIU logs on every run and goes on from (it raises the limit it can).
+_CONSEQUENCE = re.compile(r"(Dumping|Restoring) FAILED|Restorer fail|failed with -?\d+\s*$|exited, status=|"
+                          r"Unable to detach from|rlimit: Can't setup RLIMIT_NOFILE", re.I)
+
+
+def decisive(errors: list[str]) -> str | None:
+    """The error (or warning) line that ended the run: the last one that is not a consequence of another
+    (``Restoring FAILED``, ``Restorer fail``, ``... failed with -1``) nor the rlimit line of every run. An
+    earlier error CRIU went on from (``tun: Unable to create tun`` before a damaged image's ``vdso: Invalid
+    ELF magic``) is not it. None when every line is a consequence."""
+    return next((x for x in reversed(errors) if not _CONSEQUENCE.search(x)), None)
+
+
+def classify(errors: str, log_tail: str = "", *, first: str | None = None) -> str:
+    """A short name for the known cause in ``first`` (the line that ended the run); where it names none, the
+    first known cause in CRIU's error lines (``errors``); where they name none, in the lines of ``log_tail``
+    that speak of an error (or, with none such, all of it); ``unknown`` when nothing matches."""
+    for text in (first or "", errors, "\n".join(x for x in log_tail.splitlines() if "err" in x.lower()) or log_tail):
         for name, pattern in _CAUSES:
             if text and pattern.search(text):
                 return name
@@ -119,14 +153,17 @@ def error_lines(path: Path) -> list[str]:
     return found[-ERROR_LINES_KEPT:]
 
 
+NO_LOG = "(no log)"
+
+
 def tail(path: Path, limit: int = 3000) -> str:
-    """The last ``limit`` bytes of a log (only those are read)."""
+    """The last ``limit`` bytes of a log (only those are read); ``NO_LOG`` where there is none."""
     try:
         with open(path, "rb") as f:
             f.seek(max(f.seek(0, os.SEEK_END) - limit, 0))
             data = f.read(limit)
     except OSError:
-        return "(no log)"
+        return NO_LOG
     return data.decode(errors="replace")
 
 

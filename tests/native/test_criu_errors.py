@@ -1,7 +1,9 @@
 """A CRIU failure is reported by its cause: the agent's CriuError carries CRIU's own
-``Error (file:line): ...`` lines and the cause classified from them, not the last lines of a
-``-v4`` log (which, for a restore, are its vdso and cgroup chatter; issue 18: a corrupted image
-failed eight restores with the reason "unknown" and a message of vdso lines).
+``Error (file:line): ...`` lines, the one that ended the run first, and the cause classified from it, not
+the last lines of a ``-v4`` log (which, for a restore, are its vdso and cgroup chatter; issue 18: a
+corrupted image failed eight restores with the reason "unknown" and a message of vdso lines) nor the
+first error CRIU went on from (issue 38: a damaged image led with ``tun: Unable to create tun``); and a
+CRIU that never started is reported with its launcher's words, not ``(no log)``.
 
 The real CRIU of the environment dumps a real process; its core image is then corrupted and the
 restore goes through the agent's own ``criu_restore``.
@@ -18,8 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from dynsnap.agent.criu import ERROR_LINES_KEPT, CriuError, CriuOptions, NamespaceTarget, classify, criu_restore
+from dynsnap.agent.criu import ERROR_LINES_KEPT, CriuError, CriuOptions, classify, criu_restore
+from dynsnap.agent.nsexec import Target
 from dynsnap.models.ids import HostPid
+from dynsnap.runtime import procfs
+
+NATIVE = Path(os.environ.get("DYNSNAP_NATIVE_BIN", Path(__file__).resolve().parents[2] / "native" / "build"))
 
 
 def _criu() -> str:
@@ -55,19 +61,23 @@ async def test_a_corrupted_image_fails_the_restore_with_criu_s_error_lines_and_i
     for i in range(16, len(data), 7):  # past the magic: the protobuf body no longer unpacks
         data[i] ^= 0xFF
     core.write_bytes(bytes(data))
-    opts = CriuOptions(binary=_criu(), tcp_established=False, network_lock=None, workdir=str(tmp_path))
+    opts = CriuOptions(binary=_criu(), tcp_established=False, network_lock=None, net=False,
+                       nsexec=str(NATIVE / "dynsnap-nsexec"))
+    me = HostPid(os.getpid())
     with pytest.raises(CriuError) as info:
         # In the namespaces of this test's own process: the restore must fail before any task is made.
-        await criu_restore(NamespaceTarget(HostPid(os.getpid()), net=False), images, opts=opts, timeout=60)
+        await criu_restore(Target(me, procfs.start_time(me)), images, opts=opts, timeout=60)
     e = info.value
     log = (images / "restore.log").read_text(errors="replace")
     assert e.cause == "image_unreadable", (e.cause, e.errors, log[-2000:])
     assert e.errors, log[-2000:]
     assert all(line.startswith(("Error (", "Warn ")) for line in e.errors)
     assert any("Failed unpacking object" in line and core.name in line for line in e.errors), e.errors
-    # Every error and warning line CRIU wrote is in the summary, and nothing else it logged.
+    # Every error and warning line CRIU wrote is in the summary, and nothing else it logged, the one that
+    # ended the run first.
     logged = [line.split(") ", 1)[1] for line in log.splitlines() if re.search(r"\) (Error|Warn) +\(", line)]
-    assert e.summary.splitlines() == logged[-ERROR_LINES_KEPT:]
+    assert sorted(e.summary.splitlines()) == sorted(logged[-ERROR_LINES_KEPT:])
+    assert e.summary.splitlines()[0] == e.decisive and "Failed unpacking object" in e.summary.splitlines()[0]
     assert "Restoring FAILED" in e.summary
     assert "No pidns-1.img image" not in e.summary and "No pidns-1.img image" in log
 
@@ -105,6 +115,30 @@ def test_the_warning_that_names_the_cause_is_kept_with_the_errors(tmp_path: Path
                                                          "Error (compel/src/lib/infect.c", "Error (criu/cr-dump.c"]
     assert "Unable to interrupt task: 10000 (Operation not permitted)" in e.summary
     assert e.cause == "traced"
+
+
+def test_the_error_that_ended_the_run_leads_and_names_the_cause(tmp_path: Path) -> None:
+    """A restore of a damaged image as CRIU logged it on the real node: an error it went on from first
+    (its tun probe), then the damaged vDSO, then the consequences. The damaged image leads, and is the
+    cause, not the first line."""
+    log = tmp_path / "restore.log"
+    log.write_text(_log("Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted",
+                        "Error (criu/tun.c:88): tun: Unable to create tun: No such file or directory",
+                        "Restoring task 10000",
+                        "pie: 10000: Error (criu/pie/util-vdso.c:226): vdso: Invalid ELF magic in the vDSO at 0x7ffd",
+                        "pie: 10000: Error (criu/pie/restorer.c:1888): Restorer fail 10000",
+                        "Error (criu/cr-restore.c:2331): Restoring FAILED."))
+    e = CriuError("criu restore exited 1", log_path=log)
+    assert e.decisive is not None and "Invalid ELF magic" in e.decisive
+    assert e.summary.splitlines()[0] == e.decisive
+    assert e.cause == "image_unreadable"
+
+
+def test_a_criu_that_never_started_is_reported_with_its_launchers_words(tmp_path: Path) -> None:
+    e = CriuError("criu dump exited 125: dynsnap-nsexec: setns(net): Operation not permitted",
+                  log_path=tmp_path / "dump.log")
+    assert e.summary == "criu dump exited 125: dynsnap-nsexec: setns(net): Operation not permitted"
+    assert "(no log)" not in str(e) and e.cause == "launcher"
 
 
 def test_only_the_last_error_lines_are_kept_each_bounded(tmp_path: Path) -> None:
