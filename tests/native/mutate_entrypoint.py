@@ -89,15 +89,15 @@ MUTATIONS = (
         tests=[PID_RANGE, RESERVATION_LOUD]),
     mutation(
         "health-proxied-in-every-state", "`/health` proxies in every state", PROBE,
-        "\tif (ep->state != ST_ACTIVE) {\n\t\tbool live",
-        "\tif (ep->state != ST_ACTIVE && c->path[1] == 'l') {\n\t\tbool live",
+        "\tif (ep->state != ST_ACTIVE) {\n\t\t/* Asleep routable",
+        "\tif (ep->state != ST_ACTIVE && c->path[1] == 'l') {\n\t\t/* Asleep routable",
         # Only a test with a live worker outside `active` can see it: where the tree is gone
         # (snapshotted, the CRIU test) the proxied /health is 503 "unreachable" anyway.
         tests=[PROBES]),
     mutation(
         "live-proxied-in-every-state", "`/live` asks the worker in every state", PROBE,
-        "\tif (ep->state != ST_ACTIVE) {\n\t\tbool live",
-        "\tif (ep->state != ST_ACTIVE && c->path[1] != 'l') {\n\t\tbool live",
+        "\tif (ep->state != ST_ACTIVE) {\n\t\t/* Asleep routable",
+        "\tif (ep->state != ST_ACTIVE && c->path[1] != 'l') {\n\t\t/* Asleep routable",
         tests=[PROBES]),
     mutation(
         "no-seccomp-filter", "no seccomp filter", WORKER,
