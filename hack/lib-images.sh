@@ -6,7 +6,7 @@
 #                        this checkout, without dynsnap.testenv and the demo) and its dependencies'
 #                        wheels; runs as uid 65532
 #   dynsnap-agent        the same + CRIU $CRIU_VERSION with its CUDA plugin (hack/lib-criu.sh's build),
-#                        dynsnap-cuda (+ cuda-checkpoint), the runtime libraries CRIU links, iproute2
+#                        dynsnap-cuda (+ cuda-checkpoint), dynsnap-nsexec, the runtime libraries CRIU links, iproute2
 #                        (ss), dynsnap-install-node-tools; runs as root
 #   dynsnap-entrypoint   busybox-static (for `cp`) + the static dynsnap-entrypoint and
 #                        libdynsnap-thp.so (the examples' two init containers copy them); uid 65532
@@ -327,6 +327,8 @@ _images_agent_files() {
   install -D -m 0755 "$DYNSNAP_CRIU_DIR/lib/criu/cuda_plugin.so" "$t/usr/local/lib/criu/cuda_plugin.so"
   install -D -m 0755 "$native/dynsnap-cuda" "$t/usr/local/bin/dynsnap-cuda"
   ln -sfn dynsnap-cuda "$t/usr/local/bin/cuda-checkpoint"
+  # CRIU's and ss's launcher into a worker's namespaces (never its mount namespace): dynsnap/agent/nsexec.py
+  install -D -m 0755 "$native/dynsnap-nsexec" "$t/usr/local/bin/dynsnap-nsexec"
   install -D -m 0755 "$ROOT/deploy/images/agent/dynsnap-install-node-tools" "$t/usr/local/bin/dynsnap-install-node-tools"
   "${_IMAGES_CHROOT_ENV[@]}" chroot "$t" /usr/local/sbin/criu --version >/dev/null \
     || die "images: CRIU does not run in the agent tree (a runtime library missing from IMAGES_AGENT_PKGS?)"
@@ -380,7 +382,7 @@ setup_images() {
     "$ROOT/pyproject.toml") || die "images: cannot read the version from pyproject.toml"
   local native="$ROOT/native/build"
   local -a inputs=("$DYNSNAP_CRIU" "$DYNSNAP_CRIU_DIR/lib/criu/cuda_plugin.so" "$native/dynsnap-cuda"
-    "$native/dynsnap-entrypoint" "$native/libdynsnap-thp.so" "$ROOT/hack/lib-images.sh" "$ROOT/hack/oci_image.py"
+    "$native/dynsnap-nsexec" "$native/dynsnap-entrypoint" "$native/libdynsnap-thp.so" "$ROOT/hack/lib-images.sh" "$ROOT/hack/oci_image.py"
     "$ROOT/deploy/images/agent/dynsnap-install-node-tools")
   local f; for f in "${inputs[@]}" "$DYNSNAP_DYNAMO_VENV/.complete" "$DYNSNAP_MODEL_DIR/.complete"; do
     [[ -f "$f" ]] || die "images: $f is missing (built earlier in setup)"

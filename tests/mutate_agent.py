@@ -67,7 +67,7 @@ BUDGET = ("tests/integration/node/test_agent_faults.py::"
           "test_a_capture_over_the_disk_budget_is_refused_before_it_starts")
 PIDFLOOR = ("tests/integration/node/test_controller_refusals.py::"
             "test_a_capture_refused_for_good_puts_the_worker_back_into_serving_and_is_not_asked_again[PidReservationMissing]")
-CRIU_FDS = "tests/integration/node/test_agent.py::test_a_worker_through_each_tier_and_back_is_the_same_worker[snapshot]"
+EXEC_SNAPSHOT = "tests/native/test_agent_exec.py::test_exec_captures_and_wakes_without_kubernetes[snapshot]"
 NODE_REFUSALS = "tests/integration/node/test_agent_refusals.py::"
 SERVING = NODE_REFUSALS + "test_a_capture_of_a_worker_still_in_serving_is_refused_until_it_is_out"
 RELOOK = (NODE_REFUSALS + "test_a_worker_whose_report_turns_unusable_and_right_again_is_refused_and_accepted_by_the_"
@@ -171,11 +171,11 @@ MUTATIONS = (
         "        if False:\n",
         tests=[BUDGET]),
     mutation(
-        "criu-by-path", "CRIU is run by its agent paths inside the worker's mount namespace, not from "
-        "descriptors of the agent's files", CRIU,
-        "    return _Launch(argv, files.open(images_dir, directory=True), libdir)\n",
-        "    return _Launch([binary], str(images_dir), opts.libdir)\n",
-        tests=[CRIU_FDS]),
+        "criu-without-tree-mntns", "a dump from CRIU's own mount namespace without --tree-mntns (the worker's mount "
+        "namespace taken for one to dump)", CRIU,
+        '    args = ["dump", "--tree-mntns", "-t", str(pid), "-D", str(images_dir), "-o", str(log_path),\n',
+        '    args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", str(log_path),\n',
+        tests=[EXEC_SNAPSHOT]),
     # -- issue 18 ---------------------------------------------------------------------------------------
     mutation(
         "budget-not-reserved", "a capture's staging directory holds none of the budget until it has bytes",
@@ -202,8 +202,8 @@ MUTATIONS = (
         tests=[PERMANENT]),
     mutation(
         "criu-message-is-the-tail", "a CRIU failure's message is the log's tail, not its error lines", CRIU_LOG,
-        "        return \"\\n\".join(self.errors) if self.errors else self.log_tail\n",
-        "        return self.log_tail\n",
+        "            return \"\\n\".join(([self.decisive] if self.decisive else []) + rest)\n",
+        "            return self.log_tail\n",
         tests=[CRIU_ERRORS]),
     mutation(
         "older-format-not-read", "a capture of an older format than the agent writes is not restored", IMAGES,
@@ -335,8 +335,8 @@ MUTATIONS = (
         tests=[STALE_RECORD + "[exe]"]),
     mutation(
         "helper-boot-unchecked", "a record from an earlier boot of the node is matched", HELPERS,
-        "        if not isinstance(pid, int) or rec.get(\"bootId\") != self._boot_id():\n",
-        "        if not isinstance(pid, int):\n",
+        "        return rec.get(\"bootId\") == self._boot_id()\n",
+        "        return True\n",
         tests=[STALE_RECORD + "[boot]"]),
     mutation(
         "helper-kill-unchecked", "a helper is killed by its pid without checking it again through the pidfd",
@@ -430,31 +430,17 @@ MUTATIONS = (
         "        False\n",
         tests=["tests/unit/test_agent_own_writes.py"]),
     mutation(
-        "criu-reads-worker-config", "CRIU reads the configuration files the worker's image holds at its default "
-        "paths (an action script there run by the node's root)", CRIU,
+        "criu-reads-worker-config", "CRIU reads the configuration files at its default paths (an action script "
+        "there run by the node's root)", CRIU,
         '    args = ["--no-default-config", "-v4"]\n',
         '    args = ["-v4"]\n',
-        tests=["tests/unit/test_agent_criu.py::test_criu_reads_no_configuration_file_of_the_workers", CRIU_FDS]),
+        tests=["tests/unit/test_agent_criu.py::test_criu_reads_no_configuration_file"]),
     mutation(
-        "criu-path-of-the-worker", "CRIU gets the agent's PATH, directories it resolves in the worker's container "
-        "(its CUDA plugin runs the container's cuda-checkpoint as the node's root)", EXECUTOR,
-        "        path = None\n",
-        "        path = os.environ.get(\"PATH\")\n",
-        tests=["tests/integration/node/test_agent_restart.py::"
-               "test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container"]),
-    mutation(
-        "criu-script-by-path", "a --criu that is no ELF binary is run by its path, a file of the worker's container",
-        CRIU,
-        "        raise CriuError(f\"CRIU {binary!r} is {e}: the agent starts CRIU in a worker's namespaces from \"\n",
-        "        return _Launch([opts.binary], str(images_dir), opts.libdir)\n"
-        "        raise CriuError(f\"CRIU {binary!r} is {e}: the agent starts CRIU in a worker's namespaces from \"\n",
-        tests=["tests/unit/test_agent_criu.py::test_a_script_is_refused"]),
-    mutation(
-        "criu-plugins-of-the-worker", "with no plugin directory set, CRIU looks up its compiled-in one in the "
-        "worker's container (a plugin planted there loaded into CRIU)", CRIU,
-        '            argv = [*launch.argv, *build(launch), "--libdir", launch.libdir or nothing]\n',
-        '            argv = [*launch.argv, *build(launch), *(["--libdir", launch.libdir] if launch.libdir else [])]\n',
-        tests=["tests/unit/test_agent_criu.py::test_criu_gets_a_path_with_nothing_of_the_workers_on_it"]),
+        "restore-outside-the-workers-mntns", "a restore leaves the restored tasks in CRIU's own mount namespace "
+        "(no --join-ns mnt)", CRIU,
+        '            "--manage-cgroups=ignore", "--join-ns", f"mnt:{MNTNS}"]\n',
+        '            "--manage-cgroups=ignore"]\n',
+        tests=[EXEC_SNAPSHOT]),
     mutation(
         "no-apiserver-reset", "a worker woken after a long sleep keeps the API-server connections frozen in its "
         "image (no reset)", WAKE_STEPS,
@@ -476,6 +462,12 @@ MUTATIONS = (
         "            if S.woken_by_request(ws, status):\n                self._requests.pop(ws.key, None)\n"
         "        if step in S.ACTIVE_STEPS and for_request:\n",
         tests=["tests/unit/test_agent_request_wake.py"]),
+    mutation(
+        "criu-decisive-is-the-first", "a CRIU failure is led and classified by its first error line, one CRIU went "
+        "on from, not the one that ended the run", CRIU_LOG,
+        "    return next((x for x in reversed(errors) if not _CONSEQUENCE.search(x)), None)\n",
+        "    return next((x for x in errors if not _CONSEQUENCE.search(x)), None)\n",
+        tests=[CRIU_ERRORS]),
 )
 
 SUITE = Suite(

@@ -83,9 +83,10 @@ MUTATIONS = (
         'RUN for p in /src/patches/*.patch; do patch -p1 --forward --quiet < "$p" || exit 1; done\n', "",
         tests=[CONTAINERFILE_CRIU]),
     mutation(
-        "agent-restore-ignores-cgroups", "agent: CRIU restores the tree without its cgroups (--manage-cgroups=ignore)",
-        CRIU, '"--restore-detached",\n                "--pidfile"', '"--restore-detached", "--manage-cgroups=ignore",\n'
-                                                                   '                "--pidfile"',
+        "agent-restore-in-the-agents-cgroups", "agent: CRIU runs in the agent's cgroups (not the worker container's), "
+        "so the tree it restores with --manage-cgroups=ignore lands outside the container", CRIU,
+        "pass_mntns=join_mntns, join_cgroups=True, outlive=True,",
+        "pass_mntns=join_mntns, join_cgroups=False, outlive=True,",
         tests=[SNAPSHOT]),
     mutation(
         "example-frontend-no-migration", "examples/dgd/agg.yaml: the frontend without request migration (Dynamo's "

@@ -61,4 +61,11 @@ def admit(ws: WorkerSnapshot, pod: Obj | None, *, node: str) -> Verdict:
     if not opted_in(pod):
         return Verdict(False, Reason.NOT_OPTED_IN, f"pod has no readiness gate {P.CONDITION_SERVING}: "
                        "it did not opt in to dynsnap")
+    if (pod.get("spec") or {}).get("shareProcessNamespace") is True:
+        # The pause container is PID 1 of a shared pid namespace: the entrypoint can neither reserve the pid
+        # range a restore needs (every container's processes take pids there) nor be given the restored tree
+        # back (it goes to PID 1). Refused by name, so the worker serves uncaptured instead of waiting.
+        return Verdict(False, Reason.SHARED_PROCESS_NAMESPACE, "the pod sets shareProcessNamespace: true, so "
+                       "dynsnap-entrypoint is not PID 1 of its pid namespace (the pause container is): dynsnap does "
+                       "not capture it; it serves as it is")
     return Verdict(True, Reason.ACCEPTED, "")

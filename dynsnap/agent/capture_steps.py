@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 from dynsnap.agent import engine_steps as G
 from dynsnap.agent import worker as W
-from dynsnap.agent.criu import CriuError, NamespaceTarget, criu_dump, dump_completed, image_pids
+from dynsnap.agent.criu import CriuError, criu_dump, dump_completed, image_pids
 from dynsnap.agent.cuda import CudaError
 from dynsnap.agent.images import BudgetExceeded, dir_bytes, new_capture_id
+from dynsnap.agent.nsexec import ForeignNamespace, TargetChanged
 from dynsnap.agent.steps import GPU_FILE, PIDS_FILE, StepCall, StepFailure, pid_records
 from dynsnap.models.ids import NsPid
 from dynsnap.models.protocol import EntrypointState, Reason, Tier
@@ -138,14 +139,17 @@ async def dump(ex: Executor, c: StepCall) -> None:
     # before it learnt the outcome, and never a figure left from an earlier capture.
     (staging / GPU_FILE).write_text(json.dumps(ex.cuda.freed(list(c.obs.gpu_states))))
     try:
-        res = await criu_dump(NamespaceTarget(w.entrypoint), root, staging, opts=ex.criu_opts(subject, w),
-                              timeout=ex.settings.criu_timeout)
+        res = await criu_dump(w.target, root, staging, opts=ex.criu_opts(subject), timeout=ex.settings.criu_timeout)
+    except (ForeignNamespace, TargetChanged) as e:  # nothing ran: the tree runs on
+        ex.images.remove(staging)
+        reason = Reason.FOREIGN_NAMESPACE if isinstance(e, ForeignNamespace) else Reason.DUMP_FAILED
+        raise StepFailure(reason, f"CRIU not started: {e}", changed=False) from e
     except CriuError as e:
         reason = {"no_space": Reason.DISK_FULL, "io_uring": Reason.IO_URING_IN_USE,
                   "timeout": Reason.HELPER_TIMEOUT}.get(e.cause, Reason.DUMP_FAILED)
         if not dump_completed(staging):
             ex.images.remove(staging)  # never reused: CRIU left the tree running
-        raise StepFailure(reason, f"CRIU dump failed ({e.cause}): {e.summary[-3000:]}") from e
+        raise StepFailure(reason, f"CRIU dump failed ({e.cause}): {e.summary[:3000]}") from e
     c.info["criuSeconds"] = res.seconds
     c.info["imageBytes"] = dir_bytes(staging)
 

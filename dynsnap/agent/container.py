@@ -45,11 +45,8 @@ are read up to ``ENVIRON_BOUND`` (ARG_MAX under the default stack limit); more i
       UnsafeContainerPath     a path that is not absolute, has ``..``, a symlink, a NUL, or is too long
     ContainerFileTooLarge     a file or process memory larger than its bound (the caller names the reason)
 
-CRIU's work dir (``-W``, the control directory) is the one container path the agent does not resolve
-itself: CRIU, in the worker's mount namespace (whose root is the container's), resolves it there.
-That is no way out of the container: every symlink in it resolves against the container's own root.
-What a worker could do by swapping it after the agent checked it (this module checks it on every
-locate) is move CRIU's cgroup yard elsewhere in its own file system.
+Programs the agent starts in a worker's namespaces (CRIU, ``ss``) never enter its mount namespace
+(dynsnap/agent/nsexec.py): no path of the container's reaches them as a path to resolve.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -76,20 +77,21 @@ class Executor:
                                timeout=settings.helper_timeout, registry=self.helpers)
         self.images = ImageStore(settings.images_root, budget_bytes=settings.images_budget_bytes)
 
-    def criu_opts(self, subject: Subject, w: W.WorkerProcs) -> CriuOptions:
-        # By default CRIU gets a PATH with nothing on it (criu.py: nothing of the worker's container,
-        # where CRIU runs as the node's root, is ever run): the GPU processes are saved (every lock
-        # before any checkpoint, one helper for all) before the dump and resumed after the restore by
-        # the agent, so CRIU's CUDA plugin, which handles one pid per exec, finds no cuda-checkpoint and
-        # stands aside. With the plugin on, CRIU's PATH is the helper's directory alone, a path of the
-        # worker's container too (native/build holds cuda-checkpoint -> dynsnap-cuda).
+    def criu_opts(self, subject: Subject) -> CriuOptions:
+        # By default CRIU's PATH is empty (criu.py): the GPU processes are saved (every lock before any
+        # checkpoint, one helper for all) before the dump and resumed after the restore by the agent, so CRIU's
+        # CUDA plugin, which handles one pid per exec, finds no cuda-checkpoint and stands aside. With the plugin
+        # on, CRIU's PATH is the helper's directory (native/build holds cuda-checkpoint -> dynsnap-cuda): the
+        # agent's files, where CRIU runs (never the worker's).
         path = None
         if self.settings.criu_cuda_plugin:
-            path = os.path.dirname(os.path.abspath(self.settings.cuda_helper))
+            helper = shutil.which(self.settings.cuda_helper) or self.settings.cuda_helper
+            path = os.path.dirname(os.path.abspath(helper))
         return CriuOptions(binary=self.settings.criu, tcp_established=self.settings.tcp_established,
                            network_lock=self.settings.network_lock or None, path=path,
-                           libdir=self.settings.criu_libdir or None, workdir=w.control_dir,
-                           env=self._criu_env(subject), on_spawn=self.helpers.spawned(f"{subject.uid}/criu"))
+                           libdir=self.settings.criu_libdir or None,
+                           nsexec=self.settings.nsexec, env=self._criu_env(subject),
+                           on_spawn=self.helpers.spawned(f"{subject.uid}/criu"))
 
     def _criu_env(self, subject: Subject) -> dict[str, str]:
         env: dict[str, str] = {}  # nothing that names the helper: the registry knows it (helpers.py)

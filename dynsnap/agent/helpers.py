@@ -25,7 +25,10 @@ helper is what the agent recorded when it started it, and nothing a process can 
   pins the process: a pid reused meanwhile fails the check), and with it the processes of its
   session, each through its own pidfd: every helper is started in a session of its own
   (run_command), which no process can join from outside, and whose id cannot be reused while any
-  member lives. No other process is ever signalled.
+  member lives. No other process is ever signalled;
+- a record whose process is gone still stands for a running helper while a process of its session
+  lives: CRIU outlives its launcher (dynsnap-nsexec), which the agent recorded, when the agent's
+  container is stopped (dynsnap/agent/criu.py), and the next agent waits for it as for any helper.
 """
 
 from __future__ import annotations
@@ -52,10 +55,11 @@ REGISTRY_DIR = "helpers"  # under the agent's state dir
 
 @dataclass(frozen=True)
 class RunningHelper:
-    pid: HostPid
+    pid: HostPid  # the process that runs: the recorded one, or (it gone) one of its session
     name: str  # its command name (comm)
     label: str  # "<pod uid>/<operation>" (criu, save, resume, unlock, rollback)
     age: float  # seconds since it started
+    leader: HostPid | None = None  # the recorded process (the session's id), when it is not ``pid``
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ class HelperRegistry:
     def __init__(self, root: Path, *, proc: Path = PROC) -> None:
         self.root = root
         self.proc = proc
+
+    def _this_boot(self, rec: dict[str, Any]) -> bool:
+        """The record was written since the node last booted (a pid of an earlier boot names nothing now)."""
+        return rec.get("bootId") == self._boot_id()
 
     def _boot_id(self) -> str:
         try:
@@ -152,30 +160,51 @@ class HelperRegistry:
     def _matches(self, rec: dict[str, Any]) -> _Stat | None:
         """The helper's /proc stat when ``rec`` is the process now at its pid, else None."""
         pid = rec.get("pid")
-        if not isinstance(pid, int) or rec.get("bootId") != self._boot_id():
+        if not isinstance(pid, int) or not self._this_boot(rec):
             return None
         st = _stat(pid, self.proc)
         if st is None or st.start != rec.get("start") or st.state in ("Z", "X"):
             return None
         return st if _exe(pid, self.proc) == rec.get("exe") else None
 
+    def _session(self, rec: dict[str, Any]) -> list[HostPid]:
+        """The processes of the recorded helper's session once the helper itself is gone (CRIU, which outlives
+        its launcher: dynsnap/agent/criu.py). A session's id is its leader's pid, which the kernel keeps from
+        reuse while any member lives: a process of that session is the helper's, started after it."""
+        pid = rec.get("pid")
+        if not isinstance(pid, int) or not self._this_boot(rec):
+            return []
+        now = _stat(pid, self.proc)
+        if now is not None and now.state not in ("Z", "X"):
+            return []  # another process holds the number now: the helper's session, which kept it, is gone
+        out = []
+        for p in procfs.pids(self.proc):
+            st = _stat(p, self.proc)
+            if st is not None and st.session == pid and st.state not in ("Z", "X") and st.start >= rec.get("start", 0):
+                out.append(p)
+        return out
+
     def running(self, uid: PodUID) -> list[RunningHelper]:
-        """The helpers recorded for pod ``uid`` that still run; stale records (of any pod) are removed."""
+        """The helpers recorded for pod ``uid`` that still run (the recorded process, or once it is gone a
+        process of its session); stale records (of any pod) are removed."""
         out = []
         ticks = os.sysconf("SC_CLK_TCK")
         now = self._uptime()
         for path, rec in self._records():
             st = self._matches(rec)
-            if st is None:
+            members = [] if st is not None else self._session(rec)
+            if st is None and not members:
                 path.unlink(missing_ok=True)
                 continue
             if rec.get("podUID") != uid:
                 continue
-            pid = HostPid(int(rec["pid"]))
+            leader = HostPid(int(rec["pid"]))
+            pid = leader if st is not None else members[0]
             status = procfs.status(pid, self.proc)
             name = status.name if status is not None else "?"
             out.append(RunningHelper(pid=pid, name=name, label=f"{rec['podUID']}/{rec.get('op')}",
-                                     age=max(now - st.start / ticks, 0.0)))
+                                     age=max(now - int(rec["start"]) / ticks, 0.0),
+                                     leader=None if pid == leader else leader))
         return out
 
     def _uptime(self) -> float:
@@ -189,30 +218,34 @@ class HelperRegistry:
     def kill(self, helper: RunningHelper) -> bool:
         """SIGKILL ``helper`` and the processes of its session, each through a pidfd opened before
         its identity was checked. False (nothing signalled) when it is no longer the recorded helper."""
-        rec = next((r for _, r in self._records() if r.get("pid") == helper.pid), None)
+        leader = helper.leader if helper.leader is not None else helper.pid
+        rec = next((r for _, r in self._records() if r.get("pid") == leader), None)
         if rec is None:
             return False
+        fds: list[int] = []
         try:
-            leader = os.pidfd_open(helper.pid)
-        except ProcessLookupError:
-            return False
-        fds = [leader]
-        try:
-            if self._matches(rec) is None:  # checked with the process pinned: a reused pid fails here
-                return False
+            if helper.leader is None:  # the recorded process itself
+                try:
+                    fds.append(os.pidfd_open(leader))
+                except ProcessLookupError:
+                    return False
+                if self._matches(rec) is None:  # checked with the process pinned: a reused pid fails here
+                    return False
             for pid in procfs.pids(self.proc):
-                if pid == helper.pid:
+                if pid == leader:
                     continue
                 st = _stat(pid, self.proc)
-                if st is None or st.session != helper.pid:
+                if st is None or st.session != leader:
                     continue
                 with contextlib.suppress(ProcessLookupError):
                     fd = os.pidfd_open(pid)
                     st = _stat(pid, self.proc)  # again, with the pidfd pinning the process it names
-                    if st is not None and st.session == helper.pid:
+                    if st is not None and st.session == leader:
                         fds.append(fd)
                     else:
                         os.close(fd)
+            if not fds:
+                return False
             for fd in fds:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)

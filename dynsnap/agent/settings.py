@@ -37,25 +37,24 @@ class AgentSettings(BaseModel):
     cuda_helper: Annotated[str, Field(description=(
         "The dynsnap-cuda binary (also CRIU's cuda-checkpoint)."))] = "dynsnap-cuda"
     criu: Annotated[str, Field(description=(
-        "The CRIU binary, 4.2.1 or later (4.1.1 cannot dump TCP/UDP sockets on kernels >= 6.16); the agent image's "
-        "carries dynsnap's patches (docs/CRIU_PATCHES.md: a stock one works, but restores huge-page memory onto 4 KiB "
-        "pages and reads a snapshot's pages with one thread, a slower snapshot wake). As the agent finds "
-        "it (a bare name: on the agent's PATH). It runs inside the worker's namespaces, started by the agent's loader "
-        "with the agent's libraries (those the agent's loader resolves), all handed over as open descriptors, like "
-        "the images and plugin directories: the worker's container needs none of them. So it must be an ELF binary: "
-        "a script is refused (it could only run by its path, a file of the worker's container)."))] = "criu"
+        "The CRIU binary, 4.2.1 or later with dynsnap's patches (docs/CRIU_PATCHES.md: 0003's --tree-mntns is "
+        "needed; 0001 and 0002 make a snapshot wake faster), as the agent finds it (a bare name: on the agent's "
+        "PATH). dynsnap-nsexec starts it in the worker's pid, network, IPC, UTS and cgroup namespaces but in a "
+        "mount namespace of its own, a copy of the agent's: the binary, its loader, libraries and plugins are the "
+        "agent's files (a wrapper script of the agent's works too), never the worker's."))] = "criu"
+    nsexec: Annotated[str, Field(description=(
+        "The dynsnap-nsexec binary (native/nsexec), which starts CRIU and ss in a worker's namespaces and never "
+        "in its mount namespace, after checking they are the ones its runtime made (docs/threat-model.md)."
+    ))] = "dynsnap-nsexec"
     criu_libdir: Annotated[str, Field(description=(
-        "CRIU's plugin directory (--libdir), a directory of the agent's, handed over as a descriptor. Empty: no "
-        "plugin (an empty directory of the agent's; CRIU's compiled-in one would be looked up in the worker's "
-        "container, where a plugin planted there would be loaded into CRIU)."))] = ""
+        "CRIU's plugin directory (--libdir), a directory of the agent's. Empty: no plugin (an empty directory)."
+    ))] = ""
     criu_cuda_plugin: Annotated[bool, Field(description=(
-        "Let CRIU's CUDA plugin run (cuda-checkpoint, i.e. dynsnap-cuda, on CRIU's PATH: the directory of "
-        "--cuda-helper, which must then exist at that path in the worker's container too, unlike everything else "
-        "CRIU uses; CRIU, the node's root, runs the cuda-checkpoint the container holds there: only for images you "
-        "trust). Off: CRIU's PATH names nothing of the container's, and the agent saves "
-        "every GPU process (every lock before any checkpoint, one helper for all) before the dump and resumes "
-        "them after the restore, which the plugin, one pid per exec, cannot do; it would find them checkpointed "
-        "and skip them anyway."))] = False
+        "Let CRIU's CUDA plugin run (its cuda-checkpoint, i.e. dynsnap-cuda, on CRIU's PATH: the directory of "
+        "--cuda-helper, the agent's; the plugin itself from --criu-libdir). Off: CRIU's PATH is empty, and the "
+        "agent saves every GPU process (every lock before any checkpoint, one helper for all) before the dump "
+        "and resumes them after the restore, which the plugin, one pid per exec, cannot do; it would find them "
+        "checkpointed and skip them anyway."))] = False
     criu_read_threads: Annotated[int, Field(ge=0, le=16, description=(
         "Threads CRIU's restorer reads a snapshot's pages with (DYNSNAP_CRIU_READ_THREADS, hack/patches/criu/0002; "
         "a stock CRIU ignores it). 0: CRIU's default, one per CPU the agent may run on, at most 16. 1 reads as "

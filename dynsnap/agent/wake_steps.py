@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any
 from dynsnap.agent import cgroup_check as CG
 from dynsnap.agent import worker as W
 from dynsnap.agent.container import ContainerRefused
-from dynsnap.agent.criu import CriuError, NamespaceTarget, criu_restore, image_pids
+from dynsnap.agent.criu import CriuError, criu_restore, image_pids
 from dynsnap.agent.cuda import CudaError
 from dynsnap.agent.entrypoint_control import EntrypointError
+from dynsnap.agent.nsexec import ForeignNamespace, TargetChanged, run_in
 from dynsnap.agent.steps import PIDS_FILE, StepCall, StepFailure
 from dynsnap.models.ids import HostPid, NsPid
 from dynsnap.models.protocol import EntrypointState, Reason
 from dynsnap.runtime import procfs
-from dynsnap.runtime.command import CommandError, find_tool, run_command
+from dynsnap.runtime.command import CommandError, find_tool
 
 if TYPE_CHECKING:
     from dynsnap.agent.executor import Executor
@@ -71,12 +72,14 @@ async def restore(ex: Executor, c: StepCall) -> None:
             raise StepFailure(Reason.NOT_ENOUGH_GPU_MEMORY, "GPU free memory below what the capture freed: " +
                               ", ".join(f"{u}: {f} < {b} bytes" for u, (f, b) in short.items()), changed=False)
     try:
-        res = await criu_restore(NamespaceTarget(w.entrypoint), source, opts=ex.criu_opts(c.subject, w),
-                                 timeout=ex.settings.criu_timeout)
+        res = await criu_restore(w.target, source, opts=ex.criu_opts(c.subject), timeout=ex.settings.criu_timeout)
+    except (ForeignNamespace, TargetChanged) as e:  # nothing ran: the capture stays to restore from
+        reason = Reason.FOREIGN_NAMESPACE if isinstance(e, ForeignNamespace) else Reason.CRIU_RESTORE_FAILED
+        raise StepFailure(reason, f"CRIU not started: {e}", changed=False) from e
     except CriuError as e:
         reason = {"pid_taken": Reason.PIDS_IN_USE, "timeout": Reason.HELPER_TIMEOUT}.get(
             e.cause, Reason.CRIU_RESTORE_FAILED)
-        raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.summary[-3000:]}") from e
+        raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.summary[:3000]}") from e
     c.info["criuSeconds"] = res.seconds
     c.info["source"] = str(source)
     # How CRIU read the pages back: threads (hack/patches/criu/0002) or stock's loop (None)
@@ -127,11 +130,11 @@ async def reset_apiserver_connections(ex: Executor, w: W.WorkerProcs, root: NsPi
     killed = 0
     for ip, port in W.apiserver_endpoints(host, ex.proc):  # IP addresses and ports 1-65535 only
         dst = f"[{ip}]" if ":" in ip else ip  # ss reads a bare IPv6 address as a prefix and fails
-        argv = [find_tool("nsenter"), "-t", str(w.entrypoint), "-n", "--", find_tool("ss"), "-K", "-t", "-n",
-                "dst", dst, "dport", "=", str(port)]
+        # ss is the agent's, run in the pod's network namespace alone (dynsnap-nsexec: never its mount namespace)
+        argv = [find_tool("ss"), "-K", "-t", "-n", "dst", dst, "dport", "=", str(port)]
         try:
-            res = await run_command(argv, timeout=10.0, check=False)
-        except CommandError as e:
+            res = await run_in(w.target, argv, timeout=10.0, namespaces=("net",), nsexec=ex.settings.nsexec)
+        except (CommandError, ForeignNamespace, TargetChanged, OSError) as e:
             log.warning("resetting the worker's API-server connections: %s", e)
             continue
         killed += sum(1 for line in res.stdout.splitlines()[1:] if line.strip())

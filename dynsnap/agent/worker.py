@@ -13,6 +13,8 @@ kubeconfig it names) is read through :mod:`dynsnap.agent.container`, the trust b
     NotUnderEntrypoint     the pod runs here, but not under dynsnap-entrypoint (refused)
     ContainerRefused       (dynsnap.agent.container) the control directory's path or its control
                            file is unsafe or unusable: refused with the reason it carries
+      ForeignNamespace     (dynsnap.agent.nsexec) the entrypoint's namespaces are not the ones its
+                           runtime made (a user namespace of its own): never entered
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import yaml
 
 from dynsnap.agent import container as C
 from dynsnap.agent.entrypoint_control import EntrypointControl, EntrypointError
+from dynsnap.agent.nsexec import ForeignNamespace, Target, foreign_namespaces
 from dynsnap.models import protocol as P
 from dynsnap.models.ids import HostPid, NsPid, PodUID
 from dynsnap.models.workerenv import NCCL_SWITCHES
@@ -73,6 +76,12 @@ class WorkerProcs:
     procs: tuple[ProcStatus, ...]  # every process of the pid namespace but PID 1
     gpu: tuple[HostPid, ...]  # those that map the CUDA driver or hold an NVIDIA device
     root: Path = Path("/")  # the container's file system as the node reaches it (/proc/<entrypoint>/root)
+    entrypoint_start: int | None = None  # its start time (clock ticks after boot): pins it from the look to the act
+
+    @property
+    def target(self) -> Target:
+        """The container's PID 1 as the programs the agent starts in its namespaces are given it."""
+        return Target(self.entrypoint, self.entrypoint_start)
 
     @property
     def control(self) -> EntrypointControl:
@@ -183,9 +192,16 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
         ep = entrypoint
     else:
         ep = find_entrypoint(uid, container_id=container_id, proc=proc)
+    started = procfs.start_time(ep, proc)
     ns = procfs.pid_ns(ep, proc)
-    if ns is None:
+    if ns is None or started is None:
         raise WorkerNotFound(f"pod {uid}: its entrypoint {ep} exited while being looked at")
+    try:  # only the namespaces the runtime made are ever entered (nsexec.py): refused before anything runs
+        foreign = foreign_namespaces(ep, proc)
+    except OSError as e:
+        raise WorkerNotFound(f"pod {uid}: its entrypoint {ep} exited while being looked at ({e})") from e
+    if foreign:
+        raise ForeignNamespace(f"pod {uid}: {foreign}")
     control_dir = control_dir_of(ep, proc)
     C.components(control_dir)  # refused before anything is opened: a relative path, '..', a NUL
     root = proc / str(ep) / "root"
@@ -198,7 +214,7 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
     procs = tuple(st for st in procfs.in_pid_ns(ns, proc) if st.pid != ep and st.state not in ("Z", "X"))
     gpu = tuple(st.pid for st in procs if is_gpu_process(st.pid, proc))
     return WorkerProcs(pod_uid=uid, entrypoint=ep, pidns=ns, control_dir=control_dir, info=info, procs=procs,
-                       gpu=gpu, root=root)
+                       gpu=gpu, root=root, entrypoint_start=started)
 
 
 def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:

@@ -10,7 +10,8 @@
 - :func:`awake`: what the planner's *awake* means for the worker where it is: ask the wake, call
   off a quiesce, verify a return, or set the serving gate of a worker that never left.
 - :func:`unaccepted`: a worker the agent does not accept (``Accepted=False``) that this controller
-  was taking out of serving goes back at once, not at the capture's deadline.
+  was taking out of serving goes back at once, not at the capture's deadline; one refused from its
+  start is let serve (its gate opened, a Warning saying why), uncaptured.
 
 Layer: ``dynsnap.controller``.
 """
@@ -156,8 +157,18 @@ async def unaccepted(ctx: Ctx, s: Scope, policy: Policy) -> float | None:
         return await request_wake(ctx, s, note, event=("Warning", Reason.CAPTURE_REFUSED, note), error=err)
     if rec.quiesce is not None and rec.quiesce.finished is None:
         return await _call_off_quiesce(ctx, s, why, event=("Warning", Reason.CAPTURE_REFUSED, "; back into serving"))
+    # It serves uncaptured, and is told so once (per pod and reason: the same note is not said again).
+    try:
+        reason = Reason(acc.reason)
+    except ValueError:
+        reason = Reason.CAPTURE_REFUSED
+    await ctx.say(s.pod, "Warning", reason, f"serving uncaptured: {why}", occurrence=s.pod_uid)
     if F.verification_pending(ws):
         return await V.verify(ctx, s, policy)
+    if F.pod_condition(s.pod, P.CONDITION_SERVING) != "True":
+        # Refused from its start (never captured, e.g. shareProcessNamespace): the gate is otherwise opened
+        # only for a worker the agent reports awake, so the pod would never turn Ready.
+        await ctx.gate(s.pod, True)
     return None
 
 

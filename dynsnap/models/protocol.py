@@ -175,6 +175,8 @@ class Reason(StrEnum):
     WORKER_NOT_RUNNING = "WorkerNotRunning"
     ENTRYPOINT_UNREADABLE = "EntrypointUnreadable"
     UNSAFE_CONTAINER_PATH = "UnsafeContainerPath"
+    FOREIGN_NAMESPACE = "ForeignNamespace"
+    SHARED_PROCESS_NAMESPACE = "SharedProcessNamespace"
     # Progressing
     CAPTURING = "Capturing"
     WAKING = "Waking"

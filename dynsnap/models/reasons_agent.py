@@ -73,6 +73,25 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "Start the entrypoint with a plain `--control-dir` (default `/run/dynsnap`, an emptyDir): an absolute "
         "path without `..` whose every component is a real directory. If the path is right, something in the "
         "container planted the symlink: find what."),
+    Reason.FOREIGN_NAMESPACE: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False` (agent); `Degraded=True`, `status.lastError` when met at a step",
+        "The worker container's PID 1 is not in the namespaces its runtime made: its user namespace is not the "
+        "node's, or its mount, pid, network, IPC, UTS or cgroup namespace is owned by another user namespace. A "
+        "PID 1 can move itself into a user namespace of its own (where seccomp is Unconfined and unprivileged "
+        "user namespaces are allowed) and then owns whatever namespaces it makes; the agent, root on the node, "
+        "enters a worker's namespaces to run CRIU, so it enters only those. Checked when the agent locates the "
+        "worker and again by dynsnap-nsexec right before anything runs there; nothing was done to the worker. A "
+        "pod with `hostUsers: false` is refused the same way (not supported yet).",
+        "Run the worker's entrypoint as the container's PID 1 as the runtime started it: nothing in the image may "
+        "`unshare` or `setns` it. For `hostUsers: false`, leave the component out of dynsnap."),
+    Reason.SHARED_PROCESS_NAMESPACE: ReasonDoc(
+        ACCEPTED, "refusal", "`Accepted=False`; the worker serves, uncaptured",
+        "The pod sets `shareProcessNamespace: true`: the pause container is PID 1 of the pod's pid namespace "
+        "and every container's processes share it. dynsnap-entrypoint must be PID 1 of its own pid namespace "
+        "(it reserves the pid range a restore needs, and a restored tree is given back to it), so dynsnap does "
+        "not capture such a pod. The controller lets it serve (its gate True) and never asks it to sleep.",
+        "Remove `shareProcessNamespace: true` from the component's pod template, or leave the component out of "
+        "dynsnap (`dynsnap.io/enabled: \"false\"` on it)."),
     # -- Progressing and Suspended ---------------------------------------------------------------------
     Reason.CAPTURING: ReasonDoc(
         PROGRESS, "normal", "`Progressing=True`; Event (agent)",

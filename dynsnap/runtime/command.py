@@ -76,6 +76,7 @@ async def run_command(
     die_with_parent: bool = False,
     pass_fds: Sequence[int] = (),
     on_spawn: SpawnHook | None = None,
+    kill_on_cancel: bool = True,
 ) -> CommandResult:
     """Run ``argv`` to completion within ``timeout`` seconds.
 
@@ -85,6 +86,9 @@ async def run_command(
     ``PR_SET_PDEATHSIG`` to SIGKILL in the child, so it dies if this process dies.
     ``pass_fds``: open fds of this process the command inherits (every other one is closed in it).
     ``on_spawn``: see :data:`SpawnHook`; what it returns is called once the command is reaped.
+    ``kill_on_cancel=False``: a cancelled caller (the process stopping) leaves the command running, to be
+    found by whoever comes next (the agent's CRIU: killed mid-dump, a worker can be lost); the time bound
+    still kills it.
     """
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -102,6 +106,8 @@ async def run_command(
             reaped = on_spawn(proc.pid)
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except BaseException as e:  # timed out, cancelled, or not recorded: never leave the command running
+        if isinstance(e, asyncio.CancelledError) and not kill_on_cancel and reaped is not None:
+            raise  # left running, and on record (the hook's record stays: the next process finds it)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):

@@ -79,6 +79,20 @@ def status(pid: int, proc: Path = PROC) -> ProcStatus | None:
         return None
 
 
+def start_time(pid: int, proc: Path = PROC) -> int | None:
+    """When the process started, clock ticks after boot (``/proc/<pid>/stat`` field 22): with the pid, what
+    tells one process from a later one at the same pid. None when it is gone."""
+    text = _read(proc / str(pid) / "stat")
+    if text is None:
+        return None
+    # comm (field 2) may hold spaces and parentheses: the fields after it start at the last ")"
+    fields = text.rsplit(")", 1)[-1].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
 def pod_uid_of(pid: int, proc: Path = PROC) -> PodUID | None:
     """The pod UID in the process's cgroup path, normalised to dashes; None outside any pod."""
     for path in cgroup_paths(pid, proc):

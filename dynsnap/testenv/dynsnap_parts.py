@@ -284,8 +284,8 @@ class AgentProc:
         args = [sys.executable, "-m", "dynsnap", "-v", "agent", "--kubeconfig", str(self.kubeconfig),
                 "--node-name", self.node, "--images-root", str(self.images_root), "--state-dir", str(self.state_dir),
                 "--cuda-helper", str(native / "dynsnap-cuda"), "--criu", os.environ["DYNSNAP_CRIU"],
-                "--health-port", "0", "--failure-backoff", "2", "--scrape-interval", "1",
-                "--activity-granularity", "0"]
+                "--nsexec", str(native / "dynsnap-nsexec"), "--health-port", "0", "--failure-backoff", "2",
+                "--scrape-interval", "1", "--activity-granularity", "0"]
         for k, v in self.driver.env().items():
             args += ["--cuda-env", f"{k}={v}"]
         return args + self.extra

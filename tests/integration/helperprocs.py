@@ -1,12 +1,13 @@
-"""The helpers an agent runs for a pod (dynsnap-cuda, CRIU under nsenter), found in /proc the way a
+"""The helpers an agent runs for a pod (dynsnap-cuda, CRIU under dynsnap-nsexec), found in /proc the way a
 person on the node would find them: by what each process is and what it acts on. Not the way the
 agent finds them (its registry, dynsnap/agent/helpers.py), so a test's "no helper left running" does
 not rest on the code it checks, and not by anything a process can say about itself.
 
 - dynsnap-cuda: a process whose executable is dynsnap-cuda, running an ``--action`` (its op: save,
   resume, unlock, ...) for a ``--pid`` of the pod's pid namespace;
-- CRIU: an nsenter whose target (``-t``) is the pod's PID 1 and that runs a CRIU ``dump`` or
-  ``restore``, with every process below it (CRIU, or the tests' wrapper scripts), op ``criu``.
+- CRIU: a dynsnap-nsexec that runs a CRIU ``dump`` or ``restore`` whose child is in the pod's pid
+  namespace (the launcher itself stays outside it), with every process below it (CRIU, or the tests'
+  wrapper scripts), op ``criu``.
 
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -56,7 +57,7 @@ def helpers_for(inode: int | None, pid1: int) -> list[Helper]:
     out: list[Helper] = []
     for pid in procfs.pids():
         exe = procfs.exe_name(pid)
-        if exe not in ("dynsnap-cuda", "nsenter"):
+        if exe not in ("dynsnap-cuda", "dynsnap-nsexec"):
             continue
         argv = procfs.cmdline(pid)
         if exe == "dynsnap-cuda":
@@ -66,9 +67,9 @@ def helpers_for(inode: int | None, pid1: int) -> list[Helper]:
                 out += [h] if h is not None else []
             continue
         at = argv.index("--") if "--" in argv else len(argv)
-        target = argv[argv.index("-t") + 1] if "-t" in argv[:at - 1] else None
-        if target == str(pid1) and {"dump", "restore"} & set(argv[at:]):
-            for p in procfs.tree(pid):
+        below = procfs.tree(pid)
+        if {"dump", "restore"} & set(argv[at:]) and any(_in_namespace(p, inode) for p in below if p != pid):
+            for p in below:
                 with contextlib.suppress(OSError):
                     h = _helper(p, "criu")
                     out += [h] if h is not None else []

@@ -38,7 +38,7 @@ async def kill_agent(agent: AgentProc) -> None:
 
 
 def helpers(pidns: int, pid1: int) -> list[Helper]:
-    """The CRIU (with its nsenter) and dynsnap-cuda processes an agent started for the worker whose pid
+    """The CRIU (with its dynsnap-nsexec) and dynsnap-cuda processes an agent started for the worker whose pid
     namespace is ``pidns`` and whose entrypoint is host pid ``pid1`` that still run, found by what they
     are (helperprocs.py), not by the agent's own registry."""
     return helpers_for(pidns, pid1)

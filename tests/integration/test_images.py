@@ -93,10 +93,11 @@ def test_controller_image_holds_dynsnap_and_neither_the_harness_nor_cryptography
 def test_agent_image_carries_criu_its_cuda_plugin_and_dynsnap_cuda(images: dict[str, OciImage]) -> None:
     img = images["agent"]
     assert img.entrypoint == ["/opt/dynsnap/bin/dynsnap"] and img.cmd == ["agent"]
-    assert img.user == (0, 0)  # CRIU and nsenter into workers: root, in a privileged pod
+    assert img.user == (0, 0)  # CRIU into workers' namespaces: root, in a privileged pod
     files = img.files()
     for path, want in (("usr/local/sbin/criu", Path(os.environ["DYNSNAP_CRIU"])),
                        ("usr/local/bin/dynsnap-cuda", NATIVE / "dynsnap-cuda"),
+                       ("usr/local/bin/dynsnap-nsexec", NATIVE / "dynsnap-nsexec"),
                        ("usr/local/lib/criu/cuda_plugin.so",
                         Path(os.environ["DYNSNAP_CRIU"]).parents[1] / "lib" / "criu" / "cuda_plugin.so")):
         assert stat.S_IMODE(files[path].mode) == 0o755, path
@@ -104,7 +105,7 @@ def test_agent_image_carries_criu_its_cuda_plugin_and_dynsnap_cuda(images: dict[
     link = files["usr/local/bin/cuda-checkpoint"]
     assert link.issym() and link.linkname == "dynsnap-cuda"  # what CRIU's CUDA plugin execs
     assert stat.S_IMODE(files["usr/local/bin/dynsnap-install-node-tools"].mode) == 0o755
-    assert "usr/bin/ss" in files and "usr/bin/nsenter" in files
+    assert "usr/bin/ss" in files
     env = img.env
     assert env["DYNSNAP_AGENT_CRIU"] == "/var/lib/dynsnap/bin/criu"
     assert env["DYNSNAP_AGENT_CRIU_LIBDIR"] == "/var/lib/dynsnap/lib/criu"

@@ -128,7 +128,8 @@ def _exec(tmp_path: Path, driver: StubDriver, c: Container, uid: str, action: st
           *extra: str) -> tuple[int, list[dict[str, object]]]:
     argv = [sys.executable, "-m", "dynsnap", "agent", "--images-root", str(tmp_path / "images"),
             "--state-dir", str(tmp_path / "state"), "--cuda-helper", str(NATIVE / "dynsnap-cuda"),
-            "--criu", os.environ["DYNSNAP_CRIU"], "--tcp-established", "false", "--network-lock", ""]
+            "--criu", os.environ["DYNSNAP_CRIU"], "--nsexec", str(NATIVE / "dynsnap-nsexec"),
+            "--tcp-established", "false", "--network-lock", ""]
     for k, v in driver.env().items():
         argv += ["--cuda-env", f"{k}={v}"]
     argv += ["exec", action, "--pod-uid", uid, "--entrypoint-pid", str(c.entrypoint), "--tier", tier, *extra]

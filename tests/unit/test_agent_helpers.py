@@ -158,3 +158,39 @@ def test_a_helper_that_cannot_be_recorded_does_not_run_on(tmp_path: Path) -> Non
             await run_command(["sleep", "1000"], timeout=30, on_spawn=spy)
     asyncio.run(scenario())
     assert len(spawned) == 1 and not _alive(spawned[0]), "the unrecorded helper was left running"
+
+
+def test_a_helper_that_outlives_the_recorded_process_is_still_found_and_killed_by_its_session(
+        tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """CRIU outlives its launcher (dynsnap-nsexec, the recorded process) when the agent's container is stopped:
+    the record still stands for a running helper while a process of the launcher's session lives, a later
+    agent finds that process and, past the bound, kills it; once it is gone the record is stale."""
+    reg = HelperRegistry(tmp_path / "helpers")
+    pidfile = tmp_path / "child"
+    # the launcher: its child in its session, then it waits for its stdin to close and exits
+    launcher = subprocess.Popen(["sh", "-c", f"sleep 1000 & echo $! > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; "
+                                 "read x"], start_new_session=True, stdin=subprocess.PIPE)
+    procs.append(launcher)
+    for _ in range(200):
+        if pidfile.exists():
+            break
+        time.sleep(0.01)
+    child = int(pidfile.read_text())
+    assert reg.record(launcher.pid, f"{UID}/criu") is not None
+    assert launcher.stdin is not None
+    launcher.stdin.close()
+    _wait_dead(launcher)
+    try:
+        found = reg.running(UID)
+        assert [(h.pid, h.leader, h.name) for h in found] == [(child, launcher.pid, "sleep")]
+        assert reg.kill(found[0]) is True
+        for _ in range(100):
+            if not _alive(child):
+                break
+            time.sleep(0.05)
+        assert not _alive(child)
+        assert reg.running(UID) == []
+        assert not list((tmp_path / "helpers").glob("*.json")), "the stale record was removed"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)

@@ -243,11 +243,12 @@ CUDA_PLUGIN_FORCE_ENABLE = "138"
 
 
 async def test_criu_never_runs_a_cuda_checkpoint_of_the_workers_container(rig: NodeRig) -> None:
-    """CRIU runs in the worker's mount namespace as the node's root, and its CUDA plugin (loaded from the
-    agent's plugin directory, as the chart's agent loads it) runs ``cuda-checkpoint`` from its PATH. With
-    the plugin off (the default: the agent saves the GPU processes itself), CRIU's PATH names nothing of
-    the container's: a ``cuda-checkpoint`` the worker's image holds in every directory of the agent's PATH
-    is never run while the worker is captured and woken in place (the plugin forced on, as on a GPU node)."""
+    """CRIU runs as the node's root, and its CUDA plugin (loaded from the agent's plugin directory, as the
+    chart's agent loads it) runs ``cuda-checkpoint`` from its PATH. CRIU never runs in the worker's mount
+    namespace (issue 38: a mount namespace of its own, a copy of the agent's), and with the plugin off (the
+    default: the agent saves the GPU processes itself) its PATH is empty: a ``cuda-checkpoint`` the worker's
+    image holds in every directory of the agent's PATH is never run while the worker is captured and woken
+    in place (the plugin forced on, as on a GPU node)."""
     api, pod = rig.api, rig.pod
     pid1 = rig.container().pid1
     ran = plant_cuda_checkpoint(pid1, os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep))
