@@ -321,7 +321,8 @@ class Agent:
     def settings(self) -> dict[str, Any]:
         """The agent's settings, the same for `agent exec` (as flags) and the resident agent (as JSON)."""
         return {"images_root": str(self.work / "images"), "state_dir": str(self.work / "state"),
-                "cuda_helper": str(NATIVE / "dynsnap-cuda"), "tcp_established": False, "network_lock": "",
+                "cuda_helper": str(NATIVE / "dynsnap-cuda"), "nsexec": str(NATIVE / "dynsnap-nsexec"),
+                "tcp_established": False, "network_lock": "",
                 "cuda_env": self.cuda_env, **({"criu": self.criu} if self.criu else {})}
 
     def start_resident(self) -> None:

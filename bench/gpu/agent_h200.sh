@@ -26,7 +26,9 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/dynsnap-pydeps .dev
   || { echo "cannot install the carried wheels"; exit 1; }
 export PYTHONPATH="/tmp/dynsnap-pydeps:$ROOT"
 # CRIU's own libraries for CRIU only: the wrapper sets LD_LIBRARY_PATH for the criu process; the
-# agent never passes it on (the helpers CRIU could spawn resolve the system's).
+# agent never passes it on (the helpers CRIU could spawn resolve the system's). A wrapper script is the
+# agent's own file: dynsnap-nsexec runs it in a mount namespace of its own, a copy of this one, never
+# the worker's (dynsnap/agent/criu.py).
 mkdir -p /tmp/dynsnap-criu-bin
 CRIU_BUNDLE="${CRIU_BUNDLE:-.device/criu}"; TAG="${TAG:-}"
 DROP_BEFORE_WAKE="${DROP_BEFORE_WAKE:-0}"; COLD_START="${COLD_START:-1}"
@@ -47,6 +49,7 @@ agent() {  # agent W UID EP ACTION TIER
   local w=$1 uid=$2 ep=$3 action=$4 tier=$5
   python3 -m dynsnap agent --images-root "$w/images" --state-dir "$w/state" \
     --cuda-helper "$ROOT/native/build/dynsnap-cuda" --criu /tmp/dynsnap-criu-bin/criu \
+    --nsexec "$ROOT/native/build/dynsnap-nsexec" \
     --tcp-established false --network-lock '' \
     exec "$action" --pod-uid "$uid" --entrypoint-pid "$ep" --tier "$tier" --quiesced
 }
