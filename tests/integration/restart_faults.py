@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,8 +106,10 @@ async def wait_ack(pid1: int, seq: int, state: str, *, timeout: float = 30) -> d
 # -- the slow CRIU --------------------------------------------------------------------------
 
 FAKE_SLOW_CRIU_SRC = HERE.parent / "native" / "fake_slow_criu" / "fake_slow_criu.c"
-FAKE_SLOW_CRIU_ENV = "DYNSNAP_FAKE_SLOW_CRIU"  # its control directory, a path in the worker's container
-FAKE_SLOW_CRIU_DIR = "/run/dynsnap/fake-slow-criu"  # in the control-directory emptyDir of the example's worker
+FAKE_SLOW_CRIU_ENV = "DYNSNAP_FAKE_SLOW_CRIU"  # its control directory, a path in CRIU's own mount namespace
+# CRIU's mount namespace is a copy of the agent's (dynsnap/agent/criu.py): for an agent that runs as a process of
+# the node's (the tests' AgentProc), a node path. This session's own.
+FAKE_SLOW_CRIU_DIR = str(Path(tempfile.gettempdir()) / f"dynsnap-fake-slow-criu-{os.getpid()}")
 
 
 def build_slow_criu(workdir: Path) -> Path:
@@ -134,8 +137,8 @@ class SlowCriu:
     dir: Path
 
     @classmethod
-    def at(cls, entrypoint: int) -> SlowCriu:
-        c = cls(Path(f"/proc/{entrypoint}/root") / FAKE_SLOW_CRIU_DIR.lstrip("/"))
+    def at(cls, directory: str = FAKE_SLOW_CRIU_DIR) -> SlowCriu:
+        c = cls(Path(directory))
         c.dir.mkdir(mode=0o700, exist_ok=True)
         c.reset()
         return c

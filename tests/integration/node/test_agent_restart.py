@@ -72,7 +72,7 @@ pytestmark = pytest.mark.cluster
 
 NEXT_AGENT = Path(__file__).resolve().parent.parent / "fake_next_agent"
 NEXT_FORMAT = P.IMAGE_FORMAT + 1
-SLOW_CRIU_ENV = {FAKE_SLOW_CRIU_ENV: FAKE_SLOW_CRIU_DIR}  # the agent's: the slow CRIU's directory in the worker
+SLOW_CRIU_ENV = {FAKE_SLOW_CRIU_ENV: FAKE_SLOW_CRIU_DIR}  # the agent's: the slow CRIU's directory (a node path)
 LIVENESS_FAILURES = 6  # the worker's liveness failureThreshold here (the example ships 1): see the docstring
 
 
@@ -95,7 +95,7 @@ class NodeRig:
     driver: StubDriver
     wid: int
     graph: Graph
-    criu: SlowCriu  # in the worker's container
+    criu: SlowCriu  # its control directory, in CRIU's mount namespace (a copy of the agent's: the node's here)
     agent_flags: list[str]  # the module's agent's extra flags (its environment: SLOW_CRIU_ENV)
 
     @property
@@ -167,7 +167,7 @@ async def rig(env: Env, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterat
                 await agent.start()
                 try:
                     facts = await kubelet_facts(env.api, w)
-                    slow = SlowCriu.at(container_procs(w.uid, facts.container_id).entrypoint)
+                    slow = SlowCriu.at(FAKE_SLOW_CRIU_DIR)
                     yield NodeRig(env, w, facts.container_id, agent, env.driver, wid, graph, slow, flags)
                 except BaseException:
                     print(f"--- the node's agent (a process of the test's) ---\n{agent.tail(120)}")

@@ -3,14 +3,13 @@
  * 23.8 s and restored in 17.7 s on the H200, docs/BENCHMARKS.md), so that a test can kill the agent
  * while a dump or a restore is in flight, or delete the worker's pod while its dump's exit is held.
  *
- * It is a library the test links into a copy of the real CRIU (patchelf --add-needed): that copy is
- * an ELF binary like the real one, so the agent hands it to the worker's container exactly as it
- * hands CRIU (as descriptors, through its dynamic loader: dynsnap/agent/criu.py), and nothing of
- * the node needs to resolve there. The CRIU is the real one; only the moment its main() starts, or
- * the moment its process exits, is held back.
+ * It is a library the test links into a copy of the real CRIU (patchelf --add-needed, its directory
+ * on the copy's RUNPATH): the agent starts that copy exactly as it starts CRIU (dynsnap-nsexec, in a
+ * mount namespace of CRIU's own, a copy of the agent's: dynsnap/agent/criu.py). The CRIU is the real
+ * one; only the moment its main() starts, or the moment its process exits, is held back.
  *
  * Its files live in the directory $DYNSNAP_FAKE_SLOW_CRIU names, a path in CRIU's own mount
- * namespace (the worker container's: the test reaches it from the node through /proc/<pid>/root).
+ * namespace (for the tests' agent, a process of the node's: a node path).
  * No such variable or directory: this CRIU is the real one, untouched.
  *
  *   <op>.mode   for op dump or restore: "before" (wait until released, then run CRIU's main) or
