@@ -33,6 +33,7 @@ CUDA = "dynsnap/agent/cuda.py"
 IMAGES = "dynsnap/agent/images.py"
 CRIU = "dynsnap/agent/criu.py"
 CRIU_LOG = "dynsnap/agent/criu_log.py"
+ENTRYPOINT_CONTROL = "dynsnap/agent/entrypoint_control.py"
 ENGINE_ROUTES = "dynsnap/agent/engine_routes.py"
 PLAN = "dynsnap/agent/plan.py"
 ATTEMPTS = "dynsnap/agent/attempts.py"
@@ -148,7 +149,7 @@ MUTATIONS = (
         tests=[HELPER_HANG, LOCK_TIMEOUT]),
     mutation(
         "no-restore-pid-check", "CRIU is asked to restore over pids that are taken", WAKE_STEPS,
-        "    taken = sorted(wanted & {p.ns_pid for p in w.procs})\n",
+        "    taken = sorted(wanted & {p.ns_pid for p in w.procs if p.pid not in gone})\n",
         "    taken: list[NsPid] = []\n",
         tests=[PIDS_TAKEN, PIDS_TAKEN_ROOT]),
     mutation(
@@ -468,6 +469,18 @@ MUTATIONS = (
         "    return next((x for x in reversed(errors) if not _CONSEQUENCE.search(x)), None)\n",
         "    return next((x for x in errors if not _CONSEQUENCE.search(x)), None)\n",
         tests=[CRIU_ERRORS]),
+    mutation(
+        "cut-off-restore-taken-for-the-worker", "a restore cut off (its marker standing, no CRIU) is finished as if "
+        "the remnant at the worker's pid were the worker", PLAN,
+        "    if f.restore_cut_off:  # what runs is a remnant of it, never the worker: restore again (the step clears it)\n",
+        "    if False:  # what runs is a remnant of it, never the worker: restore again (the step clears it)\n",
+        tests=[PLAN_UNIT]),
+    mutation(
+        "control-root-unpinned", "the entrypoint's control directory is reached through whatever process holds the "
+        "located pid now (a container restarted since)", ENTRYPOINT_CONTROL,
+        "            if self.pinned is not None and procfs.start_time(self.pinned[0], self.proc) != self.pinned[1]:\n",
+        "            if False:\n",
+        tests=["tests/unit/test_agent_pinned.py"]),
 )
 
 SUITE = Suite(

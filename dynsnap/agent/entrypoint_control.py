@@ -39,6 +39,8 @@ from pydantic import ValidationError
 from dynsnap.agent.container import ContainerDir, ContainerFileTooLarge, ContainerRefused, ContainerRoot
 from dynsnap.models import protocol as P
 from dynsnap.models.entrypoint import CONTROL_FILE_BOUND, EntrypointInfo
+from dynsnap.runtime import procfs
+from dynsnap.runtime.procfs import PROC
 
 
 class EntrypointError(RuntimeError):
@@ -82,9 +84,14 @@ class EntrypointControl:
     ``root`` (``/proc/<entrypoint>/root``; ``/`` where the agent shares the entrypoint's root, as the
     local tests and the bench do)."""
 
-    def __init__(self, control_dir: str | Path, *, root: Path = Path("/")) -> None:
+    def __init__(self, control_dir: str | Path, *, root: Path = Path("/"), pinned: tuple[int, int] | None = None,
+                 proc: Path = PROC) -> None:
         self.dir = str(control_dir)
         self.root = root
+        # (host pid, start time) of the process whose root ``root`` is, as the agent located it: checked
+        # with the root open, so a container restarted since (another process at that pid) is never written to
+        self.pinned = pinned
+        self.proc = proc
 
     def _read(self, d: ContainerDir) -> dict[str, Any]:
         where = f"{self.dir.rstrip('/')}/{P.ENTRYPOINT_CONTROL_FILE}"
@@ -111,6 +118,9 @@ class EntrypointControl:
                 root = stack.enter_context(ContainerRoot(self.root))
             except OSError as e:  # the process whose root it is has exited
                 raise EntrypointError(f"cannot open the container's root {self.root}: {e.strerror}") from e
+            if self.pinned is not None and procfs.start_time(self.pinned[0], self.proc) != self.pinned[1]:
+                raise EntrypointError(f"process {self.pinned[0]} is not the container's PID 1 the agent located "
+                                      "(another start time): the container restarted; nothing was read or written")
             try:
                 d = stack.enter_context(root.directory(self.dir))
             except FileNotFoundError as e:

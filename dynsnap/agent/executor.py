@@ -43,6 +43,7 @@ from dynsnap.agent.settings import AgentSettings
 from dynsnap.agent.steps import (
     GPU_FILE,
     PIDS_FILE,
+    RESTORE_MARKER,
     Observation,
     ServingGate,
     StepCall,
@@ -132,9 +133,11 @@ class Executor:
             any_images = bool(self.images.captures(subject.uid)) or bool(stagings)
         except ImageFormatMismatch:
             any_images = True
+        source = capture.path if capture is not None else staging if st is not None and st.rejected else None
+        cut_off = source is not None and (source / RESTORE_MARKER).exists() and not helpers
         facts = Facts(ep_state=ep_state, worker_alive=alive, gpu_states=tuple(gpu_states.values()),
                       helper_running=bool(helpers), capture=capture is not None, staging=st,
-                      leftovers=active and any_images)
+                      leftovers=active and any_images, restore_cut_off=cut_off)
         return Observation(worker=w, facts=facts, gpu_states=gpu_states, capture=capture, staging=staging)
 
     def _is_the_dumped_worker(self, w: W.WorkerProcs, capture: Capture | None, staging: Path | None) -> bool:

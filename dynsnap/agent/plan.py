@@ -66,6 +66,7 @@ class Facts:
     capture: bool = False  # a complete (sealed) capture of this container exists
     staging: Staging | None = None  # the newest staging directory, if any
     leftovers: bool = False  # images or staging dirs exist that the current state does not need
+    restore_cut_off: bool = False  # a restore began (its marker stands) and no CRIU runs: it was cut off
 
 
 def _all(states: Sequence[str], value: str) -> bool:
@@ -94,6 +95,8 @@ def _restorable(f: Facts) -> bool:
 
 
 def _finish_wake(f: Facts) -> Step:
+    if f.restore_cut_off:  # what runs is a remnant of it, never the worker: restore again (the step clears it)
+        return Step.RESTORE if _restorable(f) else Step.GIVE_UP
     if not f.worker_alive:
         return Step.RESTORE if _restorable(f) else Step.GIVE_UP
     if "checkpointed" in f.gpu_states:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynsnap.agent import cgroup_check as CG
@@ -24,7 +25,7 @@ from dynsnap.agent.criu import CriuError, criu_restore, image_pids
 from dynsnap.agent.cuda import CudaError
 from dynsnap.agent.entrypoint_control import EntrypointError
 from dynsnap.agent.nsexec import ForeignNamespace, TargetChanged, run_in
-from dynsnap.agent.steps import PIDS_FILE, StepCall, StepFailure
+from dynsnap.agent.steps import PIDS_FILE, RESTORE_MARKER, StepCall, StepFailure
 from dynsnap.models.ids import HostPid, NsPid
 from dynsnap.models.protocol import EntrypointState, Reason
 from dynsnap.runtime import procfs
@@ -59,7 +60,8 @@ async def restore(ex: Executor, c: StepCall) -> None:
     if meta.get("started", meta.get("entrypointStarted")) != w.info.get("started"):
         raise StepFailure(Reason.IMAGE_MISSING, "the capture was taken from an earlier container of this pod")
     wanted = image_pids(source)
-    taken = sorted(wanted & {p.ns_pid for p in w.procs})
+    gone = await clear_cut_off_restore(ex, c, w, source)
+    taken = sorted(wanted & {p.ns_pid for p in w.procs if p.pid not in gone})
     if taken:
         holders = [f"{p.ns_pid}:{p.name}" for p in w.procs if p.ns_pid in taken]
         raise StepFailure(Reason.PIDS_IN_USE, f"the capture's pids are taken in the pod's namespace: {holders}; "
@@ -71,15 +73,19 @@ async def restore(ex: Executor, c: StepCall) -> None:
         if short:
             raise StepFailure(Reason.NOT_ENOUGH_GPU_MEMORY, "GPU free memory below what the capture freed: " +
                               ", ".join(f"{u}: {f} < {b} bytes" for u, (f, b) in short.items()), changed=False)
+    marker = source / RESTORE_MARKER
+    marker.write_text(str(procfs.uptime_ticks(ex.proc)))
     try:
         res = await criu_restore(w.target, source, opts=ex.criu_opts(c.subject), timeout=ex.settings.criu_timeout)
     except (ForeignNamespace, TargetChanged) as e:  # nothing ran: the capture stays to restore from
+        marker.unlink(missing_ok=True)
         reason = Reason.FOREIGN_NAMESPACE if isinstance(e, ForeignNamespace) else Reason.CRIU_RESTORE_FAILED
         raise StepFailure(reason, f"CRIU not started: {e}", changed=False) from e
     except CriuError as e:
         reason = {"pid_taken": Reason.PIDS_IN_USE, "timeout": Reason.HELPER_TIMEOUT}.get(
             e.cause, Reason.CRIU_RESTORE_FAILED)
         raise StepFailure(reason, f"CRIU restore failed ({e.cause}): {e.summary[:3000]}") from e
+    marker.unlink(missing_ok=True)  # the tree is whole: from here on it is the worker
     c.info["criuSeconds"] = res.seconds
     c.info["source"] = str(source)
     # How CRIU read the pages back: threads (hack/patches/criu/0002) or stock's loop (None)
@@ -89,6 +95,31 @@ async def restore(ex: Executor, c: StepCall) -> None:
     limit = ex.settings.reset_apiserver_connections_after
     if limit and slept is not None and slept > limit:
         c.info["apiserverConnectionsReset"] = await reset_apiserver_connections(ex, w, NsPid(res.pid))
+
+
+async def clear_cut_off_restore(ex: Executor, c: StepCall, w: W.WorkerProcs, source: Path) -> set[HostPid]:
+    """What a cut-off restore left (:data:`~dynsnap.agent.steps.RESTORE_MARKER` standing), killed: every
+    process of the pod's pid namespace started since that restore began. A CRIU killed mid-restore (by the
+    pod, which sees it in its namespace, by its bound, by the OOM killer) leaves tasks it had made, stopped
+    in its restorer or gone, holding the capture's pids: without this every restore after it is refused
+    ``PidsInUse``. Anything older is no part of it and is left (the pid check refuses it by name). The host
+    pids killed (``call.info["remnantsKilled"]``); the marker goes once they are."""
+    marker = source / RESTORE_MARKER
+    try:
+        began = int(marker.read_text().strip())
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError):  # unreadable (the agent's own file): nothing told apart, nothing killed
+        marker.unlink(missing_ok=True)
+        return set()
+    remnants = [p for p in w.procs if (procfs.start_time(p.pid, ex.proc) or 0) >= began]
+    killed = await ex.kill_tree(w, remnants) if remnants else []
+    c.info["remnantsKilled"] = [{"pid": p.ns_pid, "name": p.name} for p in remnants if p.pid in killed]
+    if killed:
+        log.warning("%s/%s: killed what a cut-off restore left (in-namespace pids %s)", c.subject.namespace,
+                    c.subject.pod, sorted(p.ns_pid for p in remnants if p.pid in killed))
+    marker.unlink(missing_ok=True)
+    return set(killed)
 
 
 async def in_container_or_killed(ex: Executor, c: StepCall, w: W.WorkerProcs, root: NsPid) -> None:

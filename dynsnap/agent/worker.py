@@ -77,6 +77,7 @@ class WorkerProcs:
     gpu: tuple[HostPid, ...]  # those that map the CUDA driver or hold an NVIDIA device
     root: Path = Path("/")  # the container's file system as the node reaches it (/proc/<entrypoint>/root)
     entrypoint_start: int | None = None  # its start time (clock ticks after boot): pins it from the look to the act
+    proc: Path = PROC  # the /proc it was found in
 
     @property
     def target(self) -> Target:
@@ -85,7 +86,8 @@ class WorkerProcs:
 
     @property
     def control(self) -> EntrypointControl:
-        return EntrypointControl(self.control_dir, root=self.root)
+        pinned = (self.entrypoint, self.entrypoint_start) if self.entrypoint_start is not None else None
+        return EntrypointControl(self.control_dir, root=self.root, pinned=pinned, proc=self.proc)
 
     @property
     def state(self) -> P.EntrypointState:
@@ -206,7 +208,7 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
     C.components(control_dir)  # refused before anything is opened: a relative path, '..', a NUL
     root = proc / str(ep) / "root"
     try:
-        info = EntrypointControl(control_dir, root=root).read()
+        info = EntrypointControl(control_dir, root=root, pinned=(ep, started), proc=proc).read()
     except EntrypointError as e:
         raise NotUnderEntrypoint(f"pod {uid}: {e}") from e
     except C.ContainerRefused as e:
@@ -214,7 +216,7 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
     procs = tuple(st for st in procfs.in_pid_ns(ns, proc) if st.pid != ep and st.state not in ("Z", "X"))
     gpu = tuple(st.pid for st in procs if is_gpu_process(st.pid, proc))
     return WorkerProcs(pod_uid=uid, entrypoint=ep, pidns=ns, control_dir=control_dir, info=info, procs=procs,
-                       gpu=gpu, root=root, entrypoint_start=started)
+                       gpu=gpu, root=root, entrypoint_start=started, proc=proc)
 
 
 def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:

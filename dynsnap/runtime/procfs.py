@@ -93,6 +93,12 @@ def start_time(pid: int, proc: Path = PROC) -> int | None:
         return None
 
 
+def uptime_ticks(proc: Path = PROC) -> int:
+    """The node's clock ticks since boot now: the unit of :func:`start_time`."""
+    text = _read(proc / "uptime") or "0"
+    return int(float(text.split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
 def pod_uid_of(pid: int, proc: Path = PROC) -> PodUID | None:
     """The pod UID in the process's cgroup path, normalised to dashes; None outside any pod."""
     for path in cgroup_paths(pid, proc):

@@ -52,6 +52,11 @@ ROWS = [
     ((E.SNAPSHOTTED, False, (), {"capture": True}, ACT, SNAP), Step.WAKE),
     ((E.RESTORING, False, (), {"capture": True}, ACT, SNAP), Step.RESTORE),
     ((E.RESTORING, True, ("checkpointed",), {"capture": True}, ACT, SNAP), Step.RESUME),
+    # a restore cut off (its CRIU killed: by the pod, its bound, the OOM killer) left a remnant at the
+    # worker's pid: never taken for the worker, restored again (the step kills what it left first)
+    ((E.RESTORING, True, ("checkpointed",), {"capture": True, "restore_cut_off": True}, ACT, SNAP), Step.RESTORE),
+    ((E.RESTORING, False, (), {"capture": True, "restore_cut_off": True}, SUSP, SNAP), Step.RESTORE),
+    ((E.RESTORING, True, (), {"restore_cut_off": True}, ACT, SNAP), Step.GIVE_UP),
     ((E.RESTORING, True, ("locked",), {}, ACT, TIER1), Step.UNLOCK),
     ((E.RESTORING, True, ("running",), {}, ACT, TIER1), Step.SETTLE_ACTIVE),
     # a wake under way finishes even when the wish flipped back to Suspended

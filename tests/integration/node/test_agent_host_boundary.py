@@ -14,6 +14,8 @@ the namespaces a runtime made (issue 38), on the real node (kubelet, containerd,
   its tree (a root shell of the pod, no capabilities) watches its mount table every 2 ms through a whole
   snapshot wake: no line appears, none is left on the node. Before issue 38 CRIU's restore mounted its cgroup
   yard in the worker's control directory, where the pod saw (and could hold) the node's cgroup hierarchies.
+  The same process killing CRIU mid-restore leaves nothing mounted either, and the agent, finding the
+  restore cut off, kills what it left and restores the same worker again.
 - **Only the runtime's namespaces.** A worker whose image wraps its command in ``unshare --user`` (its
   entrypoint PID 1 of a pid namespace in a user namespace of its own; the pod asks for no seccomp profile,
   which the node's default would refuse the unshare with) is refused by name
@@ -74,21 +76,40 @@ LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu", "usr/lib")
 NSS_DATABASES = ("passwd", "group", "hosts", "services", "protocols", "networks")
 
 WATCHER = r"""
-import json, os, sys, time
-out, stop = sys.argv[1], sys.argv[2]
+import json, os, signal, sys, time
+out, stop, kill = sys.argv[1], sys.argv[2], sys.argv[3] == "kill"
 base = open("/proc/self/mountinfo").read().splitlines()
-new = []
+new, killed = [], []
 looks = 0
+first_kill = None
 deadline = time.monotonic() + 600
 while time.monotonic() < deadline and not os.path.exists(stop):
     for line in open("/proc/self/mountinfo").read().splitlines():
         if line not in base and line not in new:
             new.append(line)
+    # kill: every process named criu in the pod's pid namespace (CRIU runs there, as root: a root process of
+    # the pod may signal it), for one second from the first seen, then let the agent's retry be
+    if kill and (first_kill is None or time.monotonic() - first_kill < 1.0):
+        for p in os.listdir("/proc"):
+            if not p.isdigit():
+                continue
+            try:
+                comm = open(f"/proc/{p}/comm").read().strip()
+            except OSError:
+                continue
+            if comm == "criu":
+                try:
+                    os.kill(int(p), signal.SIGKILL)
+                    killed.append(int(p))
+                    first_kill = first_kill or time.monotonic()
+                except OSError:
+                    pass
     looks += 1
     time.sleep(0.002)
 tmp = out + ".tmp"
 with open(tmp, "w") as f:
-    json.dump({"new": new, "looks": looks, "last": open("/proc/self/mountinfo").read().splitlines() == base}, f)
+    json.dump({"new": new, "looks": looks, "killed": killed,
+               "last": open("/proc/self/mountinfo").read().splitlines() == base}, f)
 os.replace(tmp, out)
 """
 
@@ -183,19 +204,27 @@ async def _nothing() -> None:
     return None
 
 
-def _start_watcher(ep: int, out: str, stop: str) -> subprocess.Popen[bytes]:
+def _start_watcher(ep: int, out: str, stop: str, *, kill: bool = False) -> subprocess.Popen[bytes]:
     """A root shell of the pod with no capabilities (the container's user, as a pod's own process is), in
     every namespace of the worker's container, outside the worker's tree: it runs the container's python."""
     script = Path(f"/proc/{ep}/root/tmp/dynsnap-watch-mounts.py")
     script.write_text(WATCHER)
     return subprocess.Popen(["nsenter", "-t", str(ep), "-m", "-p", "-n", "-i", "-u", "-C", "--",
                              "setpriv", "--bounding-set=-all", "--inh-caps=-all", "--",
-                             "/usr/bin/python3", "/tmp/dynsnap-watch-mounts.py", out, stop],
+                             "/usr/bin/python3", "/tmp/dynsnap-watch-mounts.py", out, stop,
+                             "kill" if kill else "watch"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-async def test_a_wake_mounts_nothing_the_pod_sees_and_leaves_nothing_mounted(env: Env) -> None:
-    body = chart_node.example_body(env, name="hb-mounts", worker_replicas=2, policy={"dynsnap.io/tier": "snapshot"})
+@pytest.mark.parametrize("pod", ["watches", "kills-criu"])
+async def test_a_wake_mounts_nothing_the_pod_sees_and_leaves_nothing_mounted(env: Env, pod: str) -> None:
+    """``watches``: the pod's process looks through a whole wake. ``kills-criu``: it also SIGKILLs CRIU the
+    moment it appears (mid-restore): nothing is left mounted, and the agent kills what the cut-off restore
+    left (tasks holding the capture's pids, stopped in CRIU's restorer) and restores again: the same worker
+    wakes, proven by pinned requests (before issue 38 every later restore was refused PidsInUse)."""
+    kill = pod == "kills-criu"
+    body = chart_node.example_body(env, name=f"hb-mounts-{pod}", worker_replicas=2,
+                                   policy={"dynsnap.io/tier": "snapshot"})
     async with deployed(env, body) as g:
         w = g.workers(WORKER_COMPONENT)[0]
         first = await kubelet_facts(env.api, w)
@@ -209,19 +238,27 @@ async def test_a_wake_mounts_nothing_the_pod_sees_and_leaves_nothing_mounted(env
 
         async def watch_from_now(_: Obj) -> None:
             nonlocal watcher
-            watcher = _start_watcher(ep, out, stop)
+            watcher = _start_watcher(ep, out, stop, kill=kill)
             async def looking() -> bool:
                 return _looking(watcher)
             await wait_for("the pod's watcher looking", looking, timeout=30, interval=0.2)
         try:
-            await cycle(env, w, "snapshot", watch_from_now)
+            woken = await cycle(env, w, "snapshot", watch_from_now)
         finally:
             (root / stop.lstrip("/")).write_text("")
             if watcher is not None:
                 _, err = watcher.communicate(timeout=30)
                 assert watcher.returncode == 0, err.decode()
         seen = json.loads((root / out.lstrip("/")).read_text())
-        print(f"\n[mounts] the pod looked at its mount table {seen['looks']} times through the wake")
+        wake = woken["status"]["lastWake"]
+        print(f"\n[mounts, {pod}] the pod looked at its mount table {seen['looks']} times through the wake; "
+              f"killed {seen['killed']}; the wake's steps {[st['name'] for st in wake['steps']]}, its error "
+              f"{(wake.get('error') or {}).get('message', '')[:300]}")
+        if kill:
+            assert seen["killed"], "the pod saw no CRIU to kill"
+            err = wake.get("error") or {}
+            assert err.get("reason") == "CriuRestoreFailed" and err.get("step") == "restore", wake
+            assert [st["name"] for st in wake["steps"]].count("restore") >= 2, wake["steps"]
         assert seen["looks"] > 10
         assert seen["new"] == [], f"mounts the pod saw during the wake: {seen['new'][:5]}"
         assert seen["last"], "the pod's mount table is not what it was"
