@@ -43,9 +43,10 @@
 # builds under a lock when setups run at once.
 
 IMAGES_PY_PKGS=(python3 ca-certificates)
-# CRIU's runtime libraries (the -dev packages hack/lib-criu.sh builds with, as libraries), and
-# iproute2 for `ss -K` (the agent resets a woken worker's stale API-server connections with it).
-IMAGES_AGENT_PKGS=("${IMAGES_PY_PKGS[@]}" iproute2 libprotobuf-c1 libnl-3-200 libnet1 libbsd0 libnftables1
+# CRIU's runtime libraries (the -dev packages hack/lib-criu.sh builds with, as libraries), iproute2 for
+# `ss -K` (the agent resets a woken worker's stale API-server connections with it) and nftables for `nft`
+# (the agent clears the network lock a cut-off dump left: dynsnap/agent/netlock.py).
+IMAGES_AGENT_PKGS=("${IMAGES_PY_PKGS[@]}" iproute2 nftables libprotobuf-c1 libnl-3-200 libnet1 libbsd0 libnftables1
   libgnutls30 libuuid1)
 # The Dynamo image's tree: Dynamo's compiled modules (its runtime, tokenizers) link libstdc++.
 IMAGES_DYNAMO_PKGS=("${IMAGES_PY_PKGS[@]}" libstdc++6)

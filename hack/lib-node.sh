@@ -79,8 +79,9 @@ build_kube_scheduler() {
 
 # Debian's packages of the runtime (bookworm: containerd 1.6.20, runc 1.1.5, the CNI plugins 1.1.1).
 # None starts anything: containerd ships only a systemd unit (there is no systemd here) and node.py
-# runs its own containerd with its own config; /etc/containerd/config.toml is not read.
-NODE_APT_PKGS=(containerd runc containernetworking-plugins)
+# runs its own containerd with its own config; /etc/containerd/config.toml is not read. nftables: `nft`,
+# with which the tests read a worker's network namespace for CRIU's network lock (the agent's image has its own).
+NODE_APT_PKGS=(containerd runc containernetworking-plugins nftables)
 export DYNSNAP_CONTAINERD=/usr/bin/containerd DYNSNAP_CONTAINERD_SHIM=/usr/bin/containerd-shim-runc-v2
 export DYNSNAP_CTR=/usr/bin/ctr DYNSNAP_RUNC=/usr/sbin/runc DYNSNAP_CNI_BIN=/usr/lib/cni
 

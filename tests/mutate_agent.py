@@ -34,6 +34,7 @@ IMAGES = "dynsnap/agent/images.py"
 CRIU = "dynsnap/agent/criu.py"
 CRIU_LOG = "dynsnap/agent/criu_log.py"
 ENTRYPOINT_CONTROL = "dynsnap/agent/entrypoint_control.py"
+NETLOCK = "dynsnap/agent/netlock.py"
 ENGINE_ROUTES = "dynsnap/agent/engine_routes.py"
 PLAN = "dynsnap/agent/plan.py"
 ATTEMPTS = "dynsnap/agent/attempts.py"
@@ -472,7 +473,8 @@ MUTATIONS = (
     mutation(
         "cut-off-restore-taken-for-the-worker", "a restore cut off (its marker standing, no CRIU) is finished as if "
         "the remnant at the worker's pid were the worker", PLAN,
-        "    if f.restore_cut_off:  # what runs is a remnant of it, never the worker: restore again (the step clears it)\n",
+        "    if f.restore_cut_off:  # what runs is a remnant of it, never the worker: restore again (the step "
+        "clears it)\n",
         "    if False:  # what runs is a remnant of it, never the worker: restore again (the step clears it)\n",
         tests=[PLAN_UNIT]),
     mutation(
@@ -481,6 +483,18 @@ MUTATIONS = (
         "            if self.pinned is not None and procfs.start_time(self.pinned[0], self.proc) != self.pinned[1]:\n",
         "            if False:\n",
         tests=["tests/unit/test_agent_pinned.py"]),
+    mutation(
+        "network-lock-left", "CRIU's network lock left by a cut-off dump is never found", NETLOCK,
+        "        if isinstance(name, str) and (name == TABLE_PREFIX or name.startswith(TABLE_PREFIX + \"-\")) \\\n",
+        "        if False and isinstance(name, str) and (name == TABLE_PREFIX or name.startswith(TABLE_PREFIX + \"-\")) "
+        "\\\n",
+        tests=["tests/native/test_netlock.py"]),
+    mutation(
+        "network-lock-takes-the-pods-tables", "every inet table of the pod's network namespace is taken for CRIU's",
+        NETLOCK,
+        "        if isinstance(name, str) and (name == TABLE_PREFIX or name.startswith(TABLE_PREFIX + \"-\")) \\\n",
+        "        if isinstance(name, str) and (True or name.startswith(TABLE_PREFIX + \"-\")) \\\n",
+        tests=["tests/native/test_netlock.py::test_a_left_lock_is_deleted_and_the_pods_own_table_kept"]),
 )
 
 SUITE = Suite(

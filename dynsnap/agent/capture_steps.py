@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from dynsnap.agent import engine_steps as G
+from dynsnap.agent import netlock
 from dynsnap.agent import worker as W
 from dynsnap.agent.criu import CriuError, criu_dump, dump_completed, image_pids
 from dynsnap.agent.cuda import CudaError
@@ -118,7 +119,10 @@ async def dump(ex: Executor, c: StepCall) -> None:
     if rings:
         raise StepFailure(Reason.IO_URING_IN_USE, f"processes holding io_uring (CRIU cannot dump it): {rings}")
     estimate = sum(procfs.rss_bytes(p.pid, ex.proc) for p in w.procs)
-    for old in ex.images.stagings(subject.uid):  # a dump that did not finish, from before
+    cut_off = ex.images.stagings(subject.uid)
+    if cut_off:  # a dump that did not finish, from before: its network lock may stand (netlock.py)
+        c.info["networkLockCleared"] = await netlock.clear(w.target, nsexec=ex.settings.nsexec)
+    for old in cut_off:
         ex.images.remove(old)
     try:  # the check and the staging that holds the estimate out of the budget, in one step
         staging = ex.images.reserve(subject.namespace, subject.pod, subject.uid,
@@ -148,6 +152,8 @@ async def dump(ex: Executor, c: StepCall) -> None:
         reason = {"no_space": Reason.DISK_FULL, "io_uring": Reason.IO_URING_IN_USE,
                   "timeout": Reason.HELPER_TIMEOUT}.get(e.cause, Reason.DUMP_FAILED)
         if not dump_completed(staging):
+            # A CRIU that failed unlocked the network itself; one that was killed did not
+            await netlock.clear(w.target, nsexec=ex.settings.nsexec)
             ex.images.remove(staging)  # never reused: CRIU left the tree running
         raise StepFailure(reason, f"CRIU dump failed ({e.cause}): {e.summary[:3000]}") from e
     c.info["criuSeconds"] = res.seconds

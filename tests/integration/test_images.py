@@ -105,7 +105,7 @@ def test_agent_image_carries_criu_its_cuda_plugin_and_dynsnap_cuda(images: dict[
     link = files["usr/local/bin/cuda-checkpoint"]
     assert link.issym() and link.linkname == "dynsnap-cuda"  # what CRIU's CUDA plugin execs
     assert stat.S_IMODE(files["usr/local/bin/dynsnap-install-node-tools"].mode) == 0o755
-    assert "usr/bin/ss" in files
+    assert "usr/bin/ss" in files and "usr/sbin/nft" in files  # ss -K; nft for a cut-off dump's network lock
     env = img.env
     assert env["DYNSNAP_AGENT_CRIU"] == "/var/lib/dynsnap/bin/criu"
     assert env["DYNSNAP_AGENT_CRIU_LIBDIR"] == "/var/lib/dynsnap/lib/criu"
