@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,56 +281,51 @@ def _in_box(box: _Box, args: list[str], *, join: bool) -> subprocess.CompletedPr
         os.close(fd)
 
 
-def test_a_tree_is_dumped_from_outside_its_mount_namespace_and_restored_into_it(tmp_path: Path) -> None:
+@pytest.fixture
+def box(tmp_path: Path) -> Iterator[_Box]:
+    """A container (:func:`_box`), its images directory made; killed after the test."""
     if os.geteuid() != 0:
         pytest.skip("CRIU dumps and restores as root")
-    box = _box(tmp_path)
-    images = tmp_path / "images"
-    images.mkdir(mode=0o700)
+    b = _box(tmp_path)
+    (tmp_path / "images").mkdir(mode=0o700)
     try:
-        dumped = _in_box(box, ["dump", "--tree-mntns", "-t", str(box.worker_ns), "-D", str(images),
-                               "-o", str(images / "dump.log"), "-v4", "--no-default-config"], join=False)
-        assert dumped.returncode == 0, (images / "dump.log").read_text(errors="replace")[-3000:]
-        assert not list(images.glob("mountpoints-*.img")), "the container's mount namespace was dumped"
-        _wait_gone(box.worker)
-        written = len(box.lines())
-        restored = _in_box(box, ["restore", "-D", str(images), "-o", str(images / "restore.log"), "-v4",
-                                 "--no-default-config", "--restore-detached", "--pidfile", str(images / "pid"),
-                                 "--join-ns", "mnt:{mntns}"], join=True)
-        assert restored.returncode == 0, (images / "restore.log").read_text(errors="replace")[-3000:]
-        for _ in range(100):
-            if len(box.lines()) > written + 3:
-                break
-            time.sleep(0.05)
-        last = box.lines()[-1].split()
-        assert int(last[0]) == box.worker_ns and int(last[1]) > written, "the same worker writes on to the same file"
-        host = next(int(k) for k in Path(f"/proc/{box.pid1}/task/{box.pid1}/children").read_text().split()
-                    if "appender.py" in Path(f"/proc/{k}/cmdline").read_text())
-        assert os.readlink(f"/proc/{host}/ns/mnt") == os.readlink(f"/proc/{box.pid1}/ns/mnt")
+        yield b
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(box.proc.pid, signal.SIGKILL)
+            os.killpg(b.proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(box.pid1, signal.SIGKILL)
-        box.proc.wait(timeout=30)
+            os.kill(b.pid1, signal.SIGKILL)
+        b.proc.wait(timeout=30)
 
 
-def test_without_tree_mntns_the_containers_mount_namespace_is_taken_for_one_to_dump(tmp_path: Path) -> None:
+def test_a_tree_is_dumped_from_outside_its_mount_namespace_and_restored_into_it(box: _Box, tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    dumped = _in_box(box, ["dump", "--tree-mntns", "-t", str(box.worker_ns), "-D", str(images),
+                           "-o", str(images / "dump.log"), "-v4", "--no-default-config"], join=False)
+    assert dumped.returncode == 0, (images / "dump.log").read_text(errors="replace")[-3000:]
+    assert not list(images.glob("mountpoints-*.img")), "the container's mount namespace was dumped"
+    _wait_gone(box.worker)
+    written = len(box.lines())
+    restored = _in_box(box, ["restore", "-D", str(images), "-o", str(images / "restore.log"), "-v4",
+                             "--no-default-config", "--restore-detached", "--pidfile", str(images / "pid"),
+                             "--join-ns", "mnt:{mntns}"], join=True)
+    assert restored.returncode == 0, (images / "restore.log").read_text(errors="replace")[-3000:]
+    for _ in range(100):
+        if len(box.lines()) > written + 3:
+            break
+        time.sleep(0.05)
+    last = box.lines()[-1].split()
+    assert int(last[0]) == box.worker_ns and int(last[1]) > written, "the same worker writes on to the same file"
+    host = next(int(k) for k in Path(f"/proc/{box.pid1}/task/{box.pid1}/children").read_text().split()
+                if "appender.py" in Path(f"/proc/{k}/cmdline").read_text())
+    assert os.readlink(f"/proc/{host}/ns/mnt") == os.readlink(f"/proc/{box.pid1}/ns/mnt")
+
+
+def test_without_tree_mntns_the_containers_mount_namespace_is_taken_for_one_to_dump(box: _Box, tmp_path: Path) -> None:
     """Why the patch: stock CRIU, outside the tree's mount namespace, takes it for one to dump (and a restore
     would make it anew): the log says so, and the tree is left running."""
-    if os.geteuid() != 0:
-        pytest.skip("CRIU dumps and restores as root")
-    box = _box(tmp_path)
     images = tmp_path / "images"
-    images.mkdir(mode=0o700)
-    try:
-        _in_box(box, ["dump", "-t", str(box.worker_ns), "-D", str(images), "-o", str(images / "dump.log"), "-v4",
-                      "--no-default-config", "--leave-running"], join=False)
-        assert "Will take mnt namespace in the image" in (images / "dump.log").read_text(errors="replace")
-        assert Path(f"/proc/{box.worker}").exists()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(box.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(box.pid1, signal.SIGKILL)
-        box.proc.wait(timeout=30)
+    _in_box(box, ["dump", "-t", str(box.worker_ns), "-D", str(images), "-o", str(images / "dump.log"), "-v4",
+                  "--no-default-config", "--leave-running"], join=False)
+    assert "Will take mnt namespace in the image" in (images / "dump.log").read_text(errors="replace")
+    assert Path(f"/proc/{box.worker}").exists()
