@@ -86,7 +86,8 @@ async def save(ex: Executor, c: StepCall) -> None:
     try:
         # The helper reads each GPU's free memory around its own driver calls (no --mem-info
         # helpers before and after: 0.034 s each on the H200).
-        records, gpus = await ex.cuda.action_measured("save", pids, marker=f"{c.subject.uid}/save")
+        records, gpus = await ex.cuda.action_measured("save", pids, marker=f"{c.subject.uid}/save",
+                                                      starts=c.obs.worker.gpu_start)
     except CudaError as e:
         reason = Reason.HELPER_TIMEOUT if e.timed_out else Reason.CHECKPOINT_FAILED
         raise StepFailure(reason, str(e)) from e
@@ -97,7 +98,8 @@ async def save(ex: Executor, c: StepCall) -> None:
 
 async def gpu_rollback(ex: Executor, c: StepCall) -> None:
     try:
-        after = await ex.cuda.rollback(list(c.obs.gpu_states), marker=f"{c.subject.uid}/rollback")
+        after = await ex.cuda.rollback(list(c.obs.gpu_states), marker=f"{c.subject.uid}/rollback",
+                                       starts=c.obs.worker.gpu_start)
     except CudaError as e:
         raise StepFailure(Reason.HELPER_TIMEOUT if e.timed_out else Reason.RESTORE_FAILED, str(e)) from e
     stuck = {p: s for p, s in after.items() if s not in ("running", "unknown")}

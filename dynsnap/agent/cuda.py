@@ -88,19 +88,23 @@ class CudaHelper:
         return res.returncode, records, res.stderr.strip()
 
     async def action(self, action: str, pids: Sequence[HostPid], *, marker: str | None = None,
-                     extra: Sequence[str] = ()) -> list[dict[str, Any]]:
+                     extra: Sequence[str] = (), starts: Mapping[HostPid, int] | None = None) -> list[dict[str, Any]]:
         """Run ``--action`` for every pid in one helper; the per-pid JSON records on success."""
-        records, _ = await self.action_measured(action, pids, marker=marker, extra=extra)
+        records, _ = await self.action_measured(action, pids, marker=marker, extra=extra, starts=starts)
         return records
 
     async def action_measured(self, action: str, pids: Sequence[HostPid], *, marker: str | None = None,
-                              extra: Sequence[str] = ()) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                              extra: Sequence[str] = (), starts: Mapping[HostPid, int] | None = None,
+                              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """:meth:`action`, and each GPU's free memory before and after it as the helper read it
         around its driver calls (its ``{"gpus": [...]}`` line, for save and resume): status
         ``gpus`` entries ``{"uuid", "freeBefore", "freeAfter"}``, empty where it read none."""
         if not pids:
             return [], []
-        args = ["--action", action, "--pid", ",".join(str(p) for p in pids), "--json", *extra]
+        # PID@START where the agent saw the process start: the helper checks it right before each driver call,
+        # so a pid reused since the look (the process exited) is never handed to the driver
+        given = ",".join(f"{p}@{starts[p]}" if starts and p in starts else str(p) for p in pids)
+        args = ["--action", action, "--pid", given, "--json", *extra]
         if action in ("save", "lock"):
             args += ["--timeout", str(self.lock_timeout_ms)]
         rc, lines, err = await self._run(args, marker=marker)
@@ -159,7 +163,8 @@ class CudaHelper:
                     out[uuid] = out.get(uuid, 0) + int(size)
         return out
 
-    async def rollback(self, pids: Sequence[HostPid], *, marker: str | None = None) -> dict[HostPid, str]:
+    async def rollback(self, pids: Sequence[HostPid], *, marker: str | None = None,
+                       starts: Mapping[HostPid, int] | None = None) -> dict[HostPid, str]:
         """Bring every pid back to ``running`` from wherever a failed save left it: restore and
         unlock the checkpointed ones, unlock the locked ones. Returns the states afterwards."""
         states = await self.states(pids)
@@ -167,7 +172,7 @@ class CudaHelper:
         locked = [p for p, s in states.items() if s == "locked"]
         if checkpointed:
             # No memory check: these pids' memory was freed by this very capture moments ago.
-            await self.action("resume", checkpointed, marker=marker, extra=["--force"])
+            await self.action("resume", checkpointed, marker=marker, extra=["--force"], starts=starts)
         if locked:
-            await self.action("unlock", locked, marker=marker)
+            await self.action("unlock", locked, marker=marker, starts=starts)
         return await self.states(pids)

@@ -183,7 +183,7 @@ async def resume(ex: Executor, c: StepCall) -> None:
             extra = ["--need-bytes", str(max(need.values()))]
     try:  # free memory before and after: read by the helper itself (see capture_steps.save)
         c.info["helper"], c.info["gpus"] = await ex.cuda.action_measured(
-            "resume", pids, marker=f"{c.subject.uid}/resume", extra=extra)
+            "resume", pids, marker=f"{c.subject.uid}/resume", extra=extra, starts=obs.worker.gpu_start)
     except CudaError as e:
         if e.refused_memory:
             raise StepFailure(Reason.NOT_ENOUGH_GPU_MEMORY, str(e), changed=False) from e
@@ -193,7 +193,7 @@ async def resume(ex: Executor, c: StepCall) -> None:
 async def unlock(ex: Executor, c: StepCall) -> None:
     pids = [p for p, s in c.obs.gpu_states.items() if s == "locked"]
     try:
-        await ex.cuda.action("unlock", pids, marker=f"{c.subject.uid}/unlock")
+        await ex.cuda.action("unlock", pids, marker=f"{c.subject.uid}/unlock", starts=c.obs.worker.gpu_start)
     except CudaError as e:
         raise StepFailure(Reason.HELPER_TIMEOUT if e.timed_out else Reason.RESTORE_FAILED, str(e)) from e
 

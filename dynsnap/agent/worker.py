@@ -22,7 +22,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -77,6 +78,7 @@ class WorkerProcs:
     gpu: tuple[HostPid, ...]  # those that map the CUDA driver or hold an NVIDIA device
     root: Path = Path("/")  # the container's file system as the node reaches it (/proc/<entrypoint>/root)
     entrypoint_start: int | None = None  # its start time (clock ticks after boot): pins it from the look to the act
+    gpu_start: Mapping[HostPid, int] = field(default_factory=dict)  # the GPU processes' start times, likewise
     proc: Path = PROC  # the /proc it was found in
 
     @property
@@ -215,8 +217,9 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
         raise type(e)(f"pod {uid}: {e}") from e
     procs = tuple(st for st in procfs.in_pid_ns(ns, proc) if st.pid != ep and st.state not in ("Z", "X"))
     gpu = tuple(st.pid for st in procs if is_gpu_process(st.pid, proc))
+    gpu_start = {p: t for p in gpu if (t := procfs.start_time(p, proc)) is not None}
     return WorkerProcs(pod_uid=uid, entrypoint=ep, pidns=ns, control_dir=control_dir, info=info, procs=procs,
-                       gpu=gpu, root=root, entrypoint_start=started, proc=proc)
+                       gpu=gpu, root=root, entrypoint_start=started, gpu_start=gpu_start, proc=proc)
 
 
 def unsafe_multi_gpu(w: WorkerProcs, proc: Path = PROC) -> str | None:

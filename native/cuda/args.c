@@ -49,13 +49,22 @@ static int add_pids(const char *list)
 		char *end;
 		long v;
 
+		long long start = -1;
+		int bad_start = 0;
+
 		while (*tok == ' ')
 			tok++;
 		errno = 0;
 		v = strtol(tok, &end, 10);
+		if (!errno && *end == '@') { /* PID@START: acted on only while it is that process */
+			char *s2 = end + 1, *e2;
+			start = strtoll(s2, &e2, 10);
+			bad_start = errno || e2 == s2 || start < 0;
+			end = e2;
+		}
 		while (*end == ' ')
 			end++;
-		if (errno || end == tok || *end || v <= 0 || v > INT_MAX) {
+		if (errno || bad_start || end == tok || *end || v <= 0 || v > INT_MAX) {
 			diag("invalid pid '%s' in --pid '%s'", tok, list);
 			rc = -1;
 			break;
@@ -73,6 +82,7 @@ static int add_pids(const char *list)
 			rc = -1;
 			break;
 		}
+		jobs[njobs].start = start;
 		jobs[njobs++].pid = (int)v;
 	}
 	free(copy);
@@ -93,7 +103,9 @@ void usage(FILE *f)
 		"  --get-state           print running|locked|checkpointed|failed\n"
 		"  --get-restore-tid     print the restore thread id\n"
 		"  --mem-info            free memory of every visible GPU, one JSON line each\n"
-		"  -p, --pid PIDS        pid or comma list; repeatable; all handled by this process\n"
+		"  -p, --pid PIDS        pid or comma list; repeatable; all handled by this process;\n"
+		"                        PID@START: acted on only while that pid's start time (stat\n"
+		"                        field 22) is START, checked right before each driver call\n"
 		"  -t, --timeout MS      lock timeout in ms (lock: 0 = none; save: default 10000)\n"
 		"  --gpu-map, --device-map OLD=NEW,...\n"
 		"                        restore/resume: remap GPUs; each side an index or UUID\n"

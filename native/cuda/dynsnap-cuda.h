@@ -66,6 +66,7 @@ extern const char *const op_name[4];
 
 struct job {
 	int pid;
+	long long start;   /* the start time the caller checked (/proc/<pid>/stat field 22), -1: none given */
 	int state_before, state_after;
 	double ms[4];      /* per op, -1 when not run */
 	CUresult err;      /* first failing call */

@@ -2,9 +2,12 @@
  * failure of each pid kept; a phase runs one call on every pid, in parallel threads by default.
  * Calls only driver.c. */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "dynsnap-cuda.h"
 
@@ -76,13 +79,48 @@ static CUresult call_op(struct job *j, enum op op)
 	return r;
 }
 
+/* Field 22 of /proc/<pid>/stat (the start time), -1 when it cannot be read (the process is gone). */
+static long long start_of(int pid)
+{
+	char path[64], buf[4096];
+	long long v = -1;
+	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	ssize_t n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return -1;
+	buf[n] = 0;
+	char *p = strrchr(buf, ')'); /* comm may hold anything: the fields after it start at the last ')' */
+	if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %lld",
+			  &v) != 1)
+		return -1;
+	return v;
+}
+
 CUresult do_op(struct job *j, enum op op)
 {
 	double t0 = now_ms();
-	CUresult r = call_op(j, op);
+	CUresult r;
+
+	/* The pid pinned from the caller's look to this act: another process at it now (the one checked
+	 * exited, its pid reused) is never handed to the driver. */
+	if (j->start >= 0) {
+		long long now = start_of(j->pid);
+		if (now != j->start) {
+			diag("pid %d is not the process checked (started at %lld, not %lld): not acted on", j->pid, now,
+			     j->start);
+			r = CUDA_ERROR_NOT_FOUND;
+			goto done;
+		}
+	}
+	r = call_op(j, op);
 
 	if (retry_after_init(r))
 		r = call_op(j, op);
+done:
 	j->ms[op] = now_ms() - t0;
 	if (r != CUDA_SUCCESS && j->err_op == OP_NONE) {
 		j->err = r;

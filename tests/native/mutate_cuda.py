@@ -146,6 +146,11 @@ MUTATIONS = (
         "\tif (optind < argc) {",
         "\tif (0) {",
         tests=TESTS, k=K),
+    mutation(
+        "pin-unchecked", "a PID@START whose pid is another process now is handed to the driver", PH,
+        "\tif (j->start >= 0) {\n",
+        "\tif (0 && j->start >= 0) {\n",
+        tests=["tests/native/test_cuda_cli.py::test_a_pinned_pid_that_is_another_process_now_is_never_handed_to_the_driver"]),
 )
 
 

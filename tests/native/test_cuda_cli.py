@@ -378,3 +378,32 @@ def test_a_driver_that_wants_cuinit_gets_it_and_the_call_is_made_again(stub: Stu
     assert r.rc == 0 and r.json()[0]["state_before"] == "unknown", r.err
     assert [(c.fn, c.rc) for c in stub.calls()[n:]] == [("restore", 3), ("restore", 0), ("unlock", 0)]
     assert stub.states()[21] == RUNNING
+
+
+# ---- a pid pinned from the caller's look to the act (issue 38) ----
+
+
+def test_a_pinned_pid_that_is_another_process_now_is_never_handed_to_the_driver(stub: Stub) -> None:
+    """``PID@START``: the agent saw the process start at START; right before each driver call the helper
+    reads the pid's start time again, and another process at that pid (the one seen exited, its pid
+    reused) is refused by name, the driver never called for it. The same pid with its own start works."""
+    import os
+
+    from dynsnap.runtime import procfs
+
+    me = os.getpid()
+    start = procfs.start_time(me)
+    assert start is not None
+    r = stub.run("--action", "lock", "--pid", f"{me}@{start + 1}", "--json")
+    assert r.rc == 1 and f"pid {me} is not the process checked (started at {start}, not {start + 1})" in r.err
+    assert stub.ops() == [], "the driver was called for another process"
+    r = stub.run("--action", "save", "--pid", f"{me}@{start}", "--json")
+    assert r.rc == 0, r.err
+    assert stub.ops() == [("lock", me), ("checkpoint", me)]
+
+
+@pytest.mark.parametrize("bad", ["42@", "42@x", "42@-1", "@5"])
+def test_a_malformed_pin_is_a_usage_error(stub: Stub, bad: str) -> None:
+    r = stub.run("--action", "lock", "--pid", bad)
+    assert r.rc == 2 and "invalid pid" in r.err
+    assert stub.ops() == []
