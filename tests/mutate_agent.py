@@ -495,6 +495,12 @@ MUTATIONS = (
         "        if isinstance(name, str) and (name == TABLE_PREFIX or name.startswith(TABLE_PREFIX + \"-\")) \\\n",
         "        if isinstance(name, str) and (True or name.startswith(TABLE_PREFIX + \"-\")) \\\n",
         tests=["tests/native/test_netlock.py::test_a_left_lock_is_deleted_and_the_pods_own_table_kept"]),
+    mutation(
+        "finished-restore-taken-for-cut-off", "a restore CRIU finished while no agent watched is taken for one cut off "
+        "(the whole tree killed and restored again)", EXECUTOR,
+        "            and not restore_completed(source)\n",
+        "            and True\n",
+        tests=["tests/integration/node/test_agent_restart.py::test_agent_killed_during[wake-restore-snapshot]"]),
 )
 
 SUITE = Suite(

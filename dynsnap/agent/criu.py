@@ -75,6 +75,7 @@ from dynsnap.agent.criu_log import (
     dump_completed,
     error_lines,
     pages_read,
+    restore_completed,
     tail,
 )
 from dynsnap.agent.nsexec import MNTNS, NSEXEC, TREE_NAMESPACES, Target, run_in
@@ -84,7 +85,7 @@ from dynsnap.runtime.command import CommandError, SpawnHook
 # CriuError and the log readers live in criu_log.py; they are named here too, where the agent reaches CRIU.
 __all__ = ["DUMP_DONE", "DUMP_LOG", "ERROR_LINES_KEPT", "RESTORE_LOG", "CriuError", "CriuOptions", "CriuResult",
            "PagesRead", "classify", "criu_dump", "criu_restore", "dump_completed", "error_lines", "pages_read",
-           "tail"]
+           "restore_completed", "tail"]
 
 PIDFILE = "restore.pid"
 

@@ -170,3 +170,12 @@ def tail(path: Path, limit: int = 3000) -> str:
 def dump_completed(images_dir: Path) -> bool:
     """CRIU finished this dump (its log says so): the tree it names is on disk and gone."""
     return DUMP_DONE in tail(images_dir / DUMP_LOG, 400)
+
+
+RESTORE_DONE = "Restore finished successfully"
+
+
+def restore_completed(images_dir: Path) -> bool:
+    """CRIU's last restore from these images finished (its log says so, among its last lines): the tree is
+    whole and runs, whether or not the agent that started it lived to see it."""
+    return RESTORE_DONE in tail(images_dir / RESTORE_LOG, 4096)

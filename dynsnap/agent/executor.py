@@ -32,7 +32,7 @@ from dynsnap.agent import engine_steps as G
 from dynsnap.agent import wake_steps as K
 from dynsnap.agent import worker as W
 from dynsnap.agent.container import ContainerRefused
-from dynsnap.agent.criu import CriuOptions, dump_completed
+from dynsnap.agent.criu import CriuOptions, dump_completed, restore_completed
 from dynsnap.agent.cuda import CudaHelper
 from dynsnap.agent.engine_routes import EngineRouteError, EngineRoutes, EngineRoutesMissing, EngineRouteTimeout
 from dynsnap.agent.entrypoint_control import EntrypointError
@@ -134,7 +134,9 @@ class Executor:
         except ImageFormatMismatch:
             any_images = True
         source = capture.path if capture is not None else staging if st is not None and st.rejected else None
-        cut_off = source is not None and (source / RESTORE_MARKER).exists() and not helpers
+        # (a restore whose CRIU finished while no agent watched left its marker too: its tree is whole)
+        cut_off = source is not None and (source / RESTORE_MARKER).exists() and not helpers \
+            and not restore_completed(source)
         facts = Facts(ep_state=ep_state, worker_alive=alive, gpu_states=tuple(gpu_states.values()),
                       helper_running=bool(helpers), capture=capture is not None, staging=st,
                       leftovers=active and any_images, restore_cut_off=cut_off)

@@ -24,9 +24,10 @@ from dynsnap.models.protocol import ObservedState, Reason, Tier
 PIDS_FILE = "pids.json"  # written into a staging dir before the dump: the tree is gone afterwards
 GPU_FILE = "gpu.json"  # GPU bytes the save freed, per GPU UUID
 # Written into the images a restore reads from right before CRIU starts (the node's clock ticks since boot
-# then), removed once the restored tree is the agent's: while it stands and no CRIU runs, a restore was
-# cut off (CRIU killed by the pod, by its bound, by the OOM killer) and what it left of the tree, every
-# process of the pod's namespace started since, is no worker but a remnant holding the capture's pids.
+# then), removed once the restored tree is the agent's: while it stands, no CRIU runs and CRIU's log does
+# not say the restore finished, the restore was cut off (CRIU killed by the pod, by its bound, by the OOM
+# killer) and what it left of the tree, every process of the pod's namespace started since, is no worker
+# but a remnant holding the capture's pids.
 RESTORE_MARKER = "restore.started"
 
 # Asked before a capture starts: None if the worker is out of serving, else why it is not.
