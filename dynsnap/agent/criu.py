@@ -181,7 +181,10 @@ async def _run(target: Target, args: Sequence[str], *, log_path: Path, timeout: 
         except FileNotFoundError as e:  # no launcher
             raise CriuError(f"criu {what}: {e}", log_path=log_path) from e
     if res.returncode != 0:
-        raise CriuError(f"criu {what} exited {res.returncode}: {res.stderr.strip()[-500:]}", log_path=log_path)
+        # 128+N: the launcher's own status for a CRIU killed by signal N (dynsnap-nsexec passes it on)
+        killed = res.returncode - 128 if 128 < res.returncode < 160 else None
+        how = f"was killed (signal {killed})" if killed else f"exited {res.returncode}"
+        raise CriuError(f"criu {what} {how}: {res.stderr.strip()[-500:]}", log_path=log_path, signal=killed)
     return time.monotonic() - t0
 
 

@@ -24,12 +24,13 @@ class CriuError(RuntimeError):
     """CRIU failed or timed out. ``errors`` holds the ``Error (file:line): ...`` and ``Warn (...)`` lines of
     its log (the last :data:`ERROR_LINES_KEPT`), ``log_tail`` the end of the log, ``decisive`` the one of
     them that ended the run (:func:`decisive`), ``cause`` a short name of the known cause (``io_uring``,
-    ``no_space``, ``pid_taken``, ``image_unreadable``, ``traced``, ``launcher``, ``timeout``...: read from
+    ``no_space``, ``pid_taken``, ``image_unreadable``, ``traced``, ``launcher``, ``timeout``, ``killed``
+    (by a signal from outside, ``signal``)...: read from
     the decisive line first, then every error line, then the tail's talk of errors, and where CRIU left no
     log at all from ``message``, what the agent saw of the run), and :attr:`summary` what a person reads
     first."""
 
-    def __init__(self, message: str, *, log_path: Path, timed_out: bool = False) -> None:
+    def __init__(self, message: str, *, log_path: Path, timed_out: bool = False, signal: int | None = None) -> None:
         self.message = message
         self.log_path = log_path
         self.log_tail = tail(log_path)
@@ -38,6 +39,8 @@ class CriuError(RuntimeError):
         self.timed_out = timed_out
         if timed_out:
             self.cause = "timeout"
+        elif signal is not None:  # killed from outside (the pod sees CRIU in its namespace; the OOM killer)
+            self.cause = "killed"
         elif self.errors or self.log_tail != NO_LOG:
             self.cause = classify("\n".join(self.errors), self.log_tail, first=self.decisive)
         else:  # CRIU never wrote its log (it did not start): what the agent saw is all there is

@@ -165,3 +165,12 @@ def test_only_the_last_error_lines_are_kept_each_bounded(tmp_path: Path) -> None
 ])
 def test_classify_reads_the_error_lines_first(errors: str, tail: str, cause: str) -> None:
     assert classify(errors, tail) == cause
+
+
+def test_a_criu_killed_from_outside_is_named_so(tmp_path: Path) -> None:
+    """The pod, which sees CRIU in its pid namespace, or the OOM killer: the cause is ``killed``, whatever CRIU
+    logged before it died."""
+    log = tmp_path / "restore.log"
+    log.write_text(_log("Restoring task 10000", "vdso: Parsing at 0 ... found symbol __vdso_clock_gettime"))
+    e = CriuError("criu restore was killed (signal 9): ", log_path=log, signal=9)
+    assert e.cause == "killed" and "was killed (signal 9)" in str(e)

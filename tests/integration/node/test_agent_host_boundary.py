@@ -258,6 +258,7 @@ async def test_a_wake_mounts_nothing_the_pod_sees_and_leaves_nothing_mounted(env
             assert seen["killed"], "the pod saw no CRIU to kill"
             err = wake.get("error") or {}
             assert err.get("reason") == "CriuRestoreFailed" and err.get("step") == "restore", wake
+            assert "(killed): criu restore was killed (signal 9)" in err.get("message", ""), err
             assert [st["name"] for st in wake["steps"]].count("restore") >= 2, wake["steps"]
         assert seen["looks"] > 10
         assert seen["new"] == [], f"mounts the pod saw during the wake: {seen['new'][:5]}"
