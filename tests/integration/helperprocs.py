@@ -30,10 +30,11 @@ class Helper:
 
 
 def _pid_values(argv: list[str]) -> list[int]:
+    """The pids of ``--pid`` values (``PID`` or ``PID@START``, the agent pinning each to the process it saw)."""
     out = []
     for i, a in enumerate(argv[:-1]):
         if a == "--pid":
-            out += [int(p) for p in argv[i + 1].split(",") if p.isdigit()]
+            out += [int(p.split("@", 1)[0]) for p in argv[i + 1].split(",") if p.split("@", 1)[0].isdigit()]
     return out
 
 
