@@ -486,8 +486,8 @@ MUTATIONS = (
     mutation(
         "network-lock-left", "CRIU's network lock left by a cut-off dump is never found", NETLOCK,
         "        if isinstance(name, str) and (name == TABLE_PREFIX or name.startswith(TABLE_PREFIX + \"-\")) \\\n",
-        "        if False and isinstance(name, str) and (name == TABLE_PREFIX or name.startswith(TABLE_PREFIX + \"-\")) "
-        "\\\n",
+        "        if False and isinstance(name, str) and (name == TABLE_PREFIX or "
+        "name.startswith(TABLE_PREFIX + \"-\")) \\\n",
         tests=["tests/native/test_netlock.py"]),
     mutation(
         "network-lock-takes-the-pods-tables", "every inet table of the pod's network namespace is taken for CRIU's",
