@@ -56,6 +56,9 @@ GPU_OUTSIDE = [U_COMPLETE + "test_a_gpu_process_reparented_to_the_entrypoint_is_
                U_COMPLETE + "test_the_preflight_refuses_it_before_any_change",
                "tests/integration/node/test_agent_faults.py::"
                "test_a_gpu_process_outside_the_worker_tree_is_refused_before_any_change"]
+U_CAPS = "tests/unit/test_agent_caps.py::"
+CAPS_NODE = ("tests/integration/node/test_agent_host_boundary.py::"
+             "test_a_worker_holding_a_capability_the_agent_lacks_is_refused_a_snapshot_and_sleeps_by_suspend")
 PIDS_TAKEN = ("tests/integration/node/test_agent_faults.py::"
               "test_restore_whose_pid_is_taken_is_refused_then_succeeds_once_it_is_free[other]")
 PIDS_TAKEN_ROOT = ("tests/integration/node/test_agent_faults.py::"
@@ -421,6 +424,27 @@ MUTATIONS = (
         "    outside = W.gpu_outside_tree(w)\n",
         "    outside: list[NsPid] = []\n",
         tests=GPU_OUTSIDE),
+    mutation(
+        "criu-directories-taken-from-an-outliving-criu", "the agent stopping removes the directories CRIU still uses",
+        CRIU, "        if not _cancelling():", "        if True:",
+        tests=["tests/unit/test_agent_criu.py::test_an_agent_stopped_while_criu_runs_on_leaves_criu_its_directories"]),
+    mutation(
+        "snapshot-beyond-the-agents-capabilities", "a worker holding capabilities the agent lacks is snapshotted",
+        CAPTURE_STEPS, "    if beyond:\n", "    if False and beyond:\n",
+        tests=[U_CAPS + "test_the_snapshot_preflight_refuses_it_for_good_before_any_change", CAPS_NODE]),
+    mutation(
+        "capabilities-only-permitted", "only the worker's permitted set is compared with the agent's", WORKER,
+        "            missing = caps.union(found) & ~own\n", "            missing = found[\"CapPrm\"] & ~own\n",
+        tests=[U_CAPS + "test_a_capability_in_any_set_beyond_the_agents_is_named_per_process"]),
+    mutation(
+        "capabilities-unreadable-taken-as-none", "a worker whose sets cannot be read counts as holding none", WORKER,
+        "            missing = ~own & ((1 << len(caps.NAMES)) - 1)\n", "            missing = 0\n",
+        tests=[U_CAPS + "test_unreadable_sets_count_as_everything_and_a_gone_process_as_nothing"]),
+    mutation(
+        "agent-bounding-set-ignored", "the agent's permitted set is taken without its bounding set", WORKER,
+        "    own = own_sets.get(\"CapPrm\", 0) & own_sets.get(\"CapBnd\", 0)\n",
+        "    own = own_sets.get(\"CapPrm\", 0)\n",
+        tests=[U_CAPS + "test_the_agents_bounding_set_limits_what_its_permitted_set_says"]),
     mutation(
         "tree-takes-every-process", "every process of the container counts as the worker's tree", WORKER,
         "        more = {p.pid for p in w.procs if p.ppid in tree} - tree\n",

@@ -11,7 +11,7 @@
 # Usage (repository root, GPU machine): bench/gpu/agent_h200.sh [sizes] [tiers]
 #   sizes: GiB list (default "1 16"); tiers: default "suspend snapshot"
 # Expects .device/criu (criu + its non-glibc libraries: bench/gpu/pack_criu.sh) and .device/wheels
-# (pydantic for the machine's python3) carried. CRIU_BUNDLE=.device/criu-stock (pack_criu.sh stock)
+# (the agent's packages for the machine's python3: bench/gpu/pack_wheels.sh) carried. CRIU_BUNDLE=.device/criu-stock (pack_criu.sh stock)
 # runs the same with stock CRIU 4.2.1, for the comparison of docs/CRIU_PATCHES.md. Also from the
 # environment: TAG (appended to every result file's name, so two runs share one $OUT),
 # DROP_BEFORE_WAKE=1 (drop the page cache between capture and wake: a wake from a cold cache),
@@ -54,7 +54,7 @@ agent() {  # agent W UID EP ACTION TIER
     exec "$action" --pod-uid "$uid" --entrypoint-pid "$ep" --tier "$tier" --quiesced
 }
 
-summary=()
+summary=(); failed=0
 for gib in $SIZES; do
   for tier in $TIERS; do
     w=/tmp/dynsnap-agent-$tier-$gib; rm -rf "$w"; mkdir -p "$w/ctl"
@@ -82,8 +82,9 @@ for gib in $SIZES; do
     check=$(ask "$w/ctl" check)
     echo "[$tier $gib GiB] capture rc=$crc $(python3 -c "print(round($t1-$t0,3))") s, wake rc=$wrc \
 $(python3 -c "print(round($t3-$t2,3))") s, used MiB $u0 -> $u1 -> $u2, check: $check"
-    [[ $crc -ne 0 ]] && tail -5 "$w/capture.err"
-    [[ $wrc -ne 0 ]] && tail -5 "$w/wake.err"
+    [[ $crc -ne 0 ]] && { failed=1; tail -5 "$w/capture.err"; }
+    [[ $wrc -ne 0 ]] && { failed=1; tail -5 "$w/wake.err"; }
+    [[ $check == ok* ]] || failed=1
     summary+=("{\"tier\":\"$tier\",\"gib\":$gib,\"capture_rc\":$crc,\"wake_rc\":$wrc,\"capture_s\":$(python3 -c "print($t1-$t0)"),\
 \"wake_s\":$(python3 -c "print($t3-$t2)"),\"cache_dropped_before_wake\":$dropped,\
 \"criu\":\"$(cat "$ROOT/$CRIU_BUNDLE/VERSION" 2>/dev/null)\",\"used_mib\":[$u0,$u1,$u2],\"image_bytes\":$img,\"check\":\"$check\"}")
@@ -113,3 +114,5 @@ $(python3 -c "print(round($t3-$t2,3))") s, used MiB $u0 -> $u1 -> $u2, check: $c
 done
 printf '%s\n' "${summary[@]}" >"$OUT/agent-summary$TAG.jsonl"
 cat "$OUT/agent-summary$TAG.jsonl"
+# A run with a failed capture, wake or pattern check is no result: it says so by its exit status.
+[[ $failed == 0 ]] || { echo "FAILED: a capture, a wake or a check did not succeed (above)"; exit 1; }

@@ -74,6 +74,10 @@ def snapshot_preflight(ex: Executor, w: W.WorkerProcs) -> None:
     if rings:
         raise StepFailure(Reason.IO_URING_IN_USE, f"processes holding io_uring (CRIU cannot dump it): {rings}",
                           changed=False)
+    beyond = W.capabilities_beyond(w, ex.proc)
+    if beyond:
+        raise StepFailure(Reason.CAPABILITIES_BEYOND_AGENT, f"capabilities the agent's container does not hold, "
+                          f"so CRIU could not give them back at the restore: {beyond}", changed=False)
     outside = W.gpu_outside_tree(w)
     if outside:  # the seal's completeness guard would find them missing only after the dump ended the tree
         raise StepFailure(Reason.GPU_PROCESS_OUTSIDE_TREE, f"GPU processes outside the worker's tree (in-namespace "

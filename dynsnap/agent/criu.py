@@ -56,6 +56,7 @@ the launcher's reach the woken worker (tests/integration/node/test_agent.py chec
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -147,6 +148,12 @@ def _common(opts: CriuOptions) -> list[str]:
     return args
 
 
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled (the agent stopping)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _agent_path(binary: str) -> str:
     """``binary`` as the agent finds it (a bare name on the agent's PATH); CriuError when it has none."""
     found = shutil.which(binary)
@@ -161,9 +168,14 @@ async def _run(target: Target, args: Sequence[str], *, log_path: Path, timeout: 
         binary = _agent_path(opts.binary)
     except FileNotFoundError as e:
         raise CriuError(f"CRIU {opts.binary!r}: not found, or not executable, in the agent", log_path=log_path) from e
-    # CRIU's work directory (its cgroup yard is mounted there on a restore, in CRIU's own mount namespace), and
-    # the empty directories for its PATH and plugins: the agent's, for this run only.
-    with tempfile.TemporaryDirectory(prefix="dynsnap-criu-") as work:
+    # CRIU's work directory and the empty directory for its PATH and plugins: the agent's, for this run only,
+    # removed once CRIU ended. Not when the agent is stopped while CRIU runs on (outlive): CRIU still uses
+    # them, and they go with the agent pod's /tmp, a memory volume whose tmpfs lives on in CRIU's mount
+    # namespace, a copy of the agent's, until CRIU ends (the chart's agent DaemonSet; CRIU's kerndat makes
+    # its scratch directories under /tmp too, which the agent container's own file system, removed with it,
+    # would no longer have).
+    work = tempfile.mkdtemp(prefix="dynsnap-criu-")
+    try:
         empty = os.path.join(work, "none")
         os.mkdir(empty, 0o700)
         argv = [binary, *args, "--libdir", opts.libdir or empty, "-W", work, *_common(opts), *opts.extra_args]
@@ -180,6 +192,9 @@ async def _run(target: Target, args: Sequence[str], *, log_path: Path, timeout: 
             raise CriuError(f"criu {what}: no exit within {timeout} s", log_path=log_path, timed_out=True) from e
         except FileNotFoundError as e:  # no launcher
             raise CriuError(f"criu {what}: {e}", log_path=log_path) from e
+    finally:
+        if not _cancelling():  # else the agent stops while CRIU runs on: its directories stay with it
+            shutil.rmtree(work, ignore_errors=True)
     if res.returncode != 0:
         # 128+N: the launcher's own status for a CRIU killed by signal N (dynsnap-nsexec passes it on)
         killed = res.returncode - 128 if 128 < res.returncode < 160 else None

@@ -36,7 +36,7 @@ from dynsnap.agent.nsexec import ForeignNamespace, Target, foreign_namespaces
 from dynsnap.models import protocol as P
 from dynsnap.models.ids import HostPid, NsPid, PodUID
 from dynsnap.models.workerenv import NCCL_SWITCHES
-from dynsnap.runtime import procfs
+from dynsnap.runtime import caps, procfs
 from dynsnap.runtime.procfs import PROC, ProcStatus
 
 log = logging.getLogger(__name__)
@@ -274,6 +274,26 @@ def gpu_outside_tree(w: WorkerProcs) -> list[NsPid]:
             break
         tree |= more
     return sorted(p.ns_pid for p in w.procs if p.pid in w.gpu and p.pid not in tree)
+
+
+def capabilities_beyond(w: WorkerProcs, proc: Path = PROC) -> dict[str, list[str]]:
+    """Per process of the container (in-namespace pid), the capabilities any of its sets holds that this
+    agent cannot give back: CRIU, started by the agent, holds the agent's permitted set at most. A set that
+    cannot be read counts as holding every capability (refused, not guessed)."""
+    own_sets = caps.sets("self", proc) or {}
+    own = own_sets.get("CapPrm", 0) & own_sets.get("CapBnd", 0)
+    beyond: dict[str, list[str]] = {}
+    for st in w.procs:
+        found = caps.sets(st.pid, proc)
+        if found is None:
+            if procfs.status(st.pid, proc) is None:  # gone since the look: nothing left to restore
+                continue
+            missing = ~own & ((1 << len(caps.NAMES)) - 1)
+        else:
+            missing = caps.union(found) & ~own
+        if missing:
+            beyond[str(st.ns_pid)] = caps.names(missing)
+    return beyond
 
 
 def pids_below_floor(w: WorkerProcs) -> list[NsPid]:

@@ -194,6 +194,7 @@ class Reason(StrEnum):
     SECCOMP_OFF = "SeccompOff"
     IO_URING_IN_USE = "IoUringInUse"
     GPU_PROCESS_OUTSIDE_TREE = "GpuProcessOutsideTree"
+    CAPABILITIES_BEYOND_AGENT = "CapabilitiesBeyondAgent"
     DISK_BUDGET_EXCEEDED = "DiskBudgetExceeded"
     ENGINE_ROUTES_MISSING = "EngineRoutesMissing"
     PIDS_IN_USE = "PidsInUse"
@@ -251,7 +252,7 @@ class Reason(StrEnum):
 # spec, the pod or the policy changed.
 PERMANENT_REFUSALS: Final = frozenset({Reason.SECCOMP_OFF, Reason.PID_RESERVATION_MISSING, Reason.UNSAFE_MULTI_GPU,
                                        Reason.DISK_BUDGET_EXCEEDED, Reason.ENGINE_ROUTES_MISSING,
-                                       Reason.GPU_PROCESS_OUTSIDE_TREE})
+                                       Reason.GPU_PROCESS_OUTSIDE_TREE, Reason.CAPABILITIES_BEYOND_AGENT})
 
 
 # Capture images on a node: <images root>/<namespace>_<pod>_<pod uid>/<capture id>/ (final) and

@@ -176,6 +176,15 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "snapshot would leave it out; the capture is refused before any lock, naming its pid in the container.",
         "Start every GPU process from the engine (in the worker's tree), or use tier suspend, which checkpoints "
         "every GPU process of the container."),
+    Reason.CAPABILITIES_BEYOND_AGENT: ReasonDoc(
+        REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
+        "A process of the worker holds a capability (in any of its sets, the bounding set included) that the "
+        "agent's container does not: CRIU gives a restored task back only capabilities it holds itself, so the "
+        "restore would fail (`Unable to restore capabilities`) or the worker would come back without it. The "
+        "capture is refused before any lock, naming the capabilities and the processes.",
+        "Drop the capability from the worker container, or add it to the agent's (`agent.extraCapabilities` "
+        "in the chart; docs/install.md says which it holds and why). Or use tier suspend, which restores no "
+        "credentials."),
     Reason.DISK_BUDGET_EXCEEDED: ReasonDoc(
         REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
         "The capture's estimate (the worker's resident memory) would pass the node's image budget "

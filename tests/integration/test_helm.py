@@ -186,7 +186,8 @@ async def test_lint_install_upgrade_uninstall_and_least_privilege(cluster: Local
     (ctl,) = dep["spec"]["template"]["spec"]["containers"]
     assert env_of(ctl)["DYNSNAP_CONTROLLER_VERIFY_TIMEOUT"] == "30" and ctl["args"] == ["--verbose", "controller"]
     dspod = ds["spec"]["template"]["spec"]
-    assert dspod["hostPID"] is True and dspod["containers"][0]["securityContext"]["privileged"] is True
+    assert dspod["hostPID"] is True and dspod["containers"][0]["securityContext"]["privileged"] is False
+    assert "SYS_ADMIN" in dspod["containers"][0]["securityContext"]["capabilities"]["add"]
     assert not await exists(api, R.SERVICE_ACCOUNTS, HOOK_SA, NS)  # the uninstall identity exists only then
 
     # who may do what: the chart's least privilege, asked of the API server

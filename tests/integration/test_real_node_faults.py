@@ -8,6 +8,10 @@ serving or restorable and what happened said by a condition and an Event:
   /proc once the pod is gone, and the next agent's record must say what it found (here it never
   does outlive it: the stopping agent kills the helpers it runs, and containerd what is left in the
   cgroup of a container in the host's pid namespace);
+- the agent's pod deleted while CRIU's dump, or its restore, is in flight (held by SIGSTOP from the node
+  the moment it starts): CRIU runs in the worker container's cgroups and outlives the agent's container;
+  let go, it finishes, the next agent pod waits for it and carries on, the worker's API-server
+  connections the same ones and no CRIU network lock left after the wake (issue 38);
 - ``kubectl delete pod`` of a sleeping worker: kubelet stops it, the operator's stand-in recreates
   the pod of the same name (a new UID), the old captures are deleted and nothing is restored into the
   new pod, which starts cold and serves.
@@ -21,14 +25,20 @@ resume call so that the agent is deleted while it is in flight: the one fault ma
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
+import os
+import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+from agentenv import tcp_established
 from controllerenv import asleep, cond, events_for, get_ws, own_instance, verified_after
 from helperprocs import Helper, helpers_for
 from realnodecycle import override, same_pod, set_tier, trickle, wait_ws
@@ -41,6 +51,7 @@ from realnodeenv import (
     Env,
     agent_off_node,
     chart_pod,
+    kubernetes_service,
     running,
     upgrade,
 )
@@ -216,6 +227,126 @@ async def test_agent_pod_deleted_mid_wake_the_next_agent_pod_finishes_it(env: En
         assert not Path(slept["status"]["image"]["path"]).exists()  # the capture restored, then deleted
     finally:
         env.driver.clear_faults()
+
+
+def _criu_in(pidns: int, op: str) -> int | None:
+    """The host pid of a CRIU ``op`` (dump, restore) running in the pod's pid namespace, or None."""
+    for st in procfs.in_pid_ns(pidns):
+        if st.name == "criu" and st.state not in ("Z", "X") and op in procfs.cmdline(st.pid):
+            return int(st.pid)
+    return None
+
+
+async def _held_criu(pidns: int, op: str, pod_images: Path) -> int:
+    """CRIU's ``op`` caught and held (SIGSTOP): the one fault made on demand for these two tests, so that the
+    agent's pod is deleted while it is certainly in flight. Its host pid. A restore is held as it starts; a
+    dump once it dumps the tree's memory (its log says ``Dumping mm``), past the freezing that CRIU bounds
+    by an alarm of its own (``--timeout``, 10 s), which a longer hold would run out."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pid = _criu_in(pidns, op)
+        if pid is not None and op == "dump":
+            while procfs.status(pid) is not None and time.monotonic() < deadline:
+                if any("Dumping mm (pid:" in f.read_text(errors="replace")
+                       for f in pod_images.glob(".staging-*/dump.log")):
+                    break
+                await asyncio.sleep(0.001)
+            else:
+                raise AssertionError(f"CRIU's dump (host pid {pid}) ended before it dumped memory")
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+            return pid
+        await asyncio.sleep(0.005)
+    raise TimeoutError(f"no CRIU {op} started in the pod's pid namespace within 120 s")
+
+
+def _criu_tables(ep: int) -> list[str]:
+    """CRIU's network-lock tables in the worker's network namespace, by the node's nft."""
+    out = subprocess.run(["nsenter", "-t", str(ep), "-n", "--", "nft", "list", "tables"], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    return [line for line in out.splitlines() if "CRIU" in line]
+
+
+@pytest.mark.parametrize("op", ["dump", "restore"])
+async def test_agent_pod_deleted_mid_criu_criu_outlives_it_and_the_worker_wakes_in_place(env: Env, op: str) -> None:
+    """Tier snapshot: CRIU's dump (or restore) held the moment it starts, the agent's pod deleted. CRIU runs in
+    the worker container's cgroups, so the agent's runtime, which kills the agent container's processes by
+    cgroup, leaves it (killed mid-dump, CRIU leaves its parasite in the worker, which then dies); let go once
+    the old pod is gone, it finishes, and the next agent pod, which waited for it through the registry,
+    carries the capture or the wake on. The worker's connections to the API server are the same ones after
+    the wake, and no CRIU network lock is left in its network namespace (issue 38)."""
+    w = _worker(env)
+    await set_tier(env, w, "snapshot")
+    first = await kubelet_facts(env.api, w)
+    ep = container_procs(w.uid, first.container_id).entrypoint
+    api_server = await kubernetes_service(env)
+    conns = tcp_established(ep, remote=api_server)
+    assert conns, "the worker holds TCP connections to the API server (its discovery watches)"
+    held: list[int] = []
+    outlived: list[bool] = []
+    agents: list[str] = []
+    logs: dict[str, str] = {}  # the held CRIU's log once it ended (a later CRIU of the next agent rewrites it)
+
+    async def deleted_mid(what: str) -> None:
+        held.append(await _held_criu(_pidns(ep), what, env.paths.images / f"{w.namespace}_{w.name}_{w.uid}"))
+
+        def gone() -> None:
+            st = procfs.status(held[0])
+            outlived.append(st is not None and st.state not in ("Z", "X"))
+        old, new = await _delete_agent_pod(env, gone=gone)
+        agents.append(new["metadata"]["name"])
+        # Let go once the next agent waits for it (its one wait-helper entry in the open record): the
+        # next agent must find CRIU running, not only its result.
+        key = "lastCapture" if what == "dump" else "lastWake"
+
+        async def waiting() -> bool:
+            rec = (((await get_ws(env.api, w)) or {}).get("status") or {}).get(key) or {}
+            return not rec.get("finished") and bool(rec.get("steps")) and _steps(rec)[-1] == "wait-helper"
+        await wait_for("the next agent waiting for the held CRIU", waiting, timeout=120, interval=0.2)
+        os.kill(held[0], signal.SIGCONT)
+
+        async def ended() -> bool:
+            st = procfs.status(held[0])
+            return st is None or st.state in ("Z", "X")
+        await wait_for("the held CRIU ended", ended, timeout=120, interval=0.05)
+        pod_images = env.paths.images / f"{w.namespace}_{w.name}_{w.uid}"
+        for log in sorted(pod_images.glob(f"*/{what}.log")) + sorted(pod_images.glob(f".staging-*/{what}.log")):
+            text = log.read_text(errors="replace")
+            logs[log.parent.name] = "\n".join([ln for ln in text.splitlines() if "Error" in ln][:20] +
+                                               text.splitlines()[-5:])
+        print(f"\nagent pod {old['metadata']['name']} deleted mid-{what}: CRIU (host pid {held[0]}) outlived it: "
+              f"{outlived[0]}; next agent pod {new['metadata']['name']} waited for it")
+    try:
+        before = (((await get_ws(env.api, w)) or {}).get("status") or {}).get("lastCapture", {}).get("id")
+        await override(env, w, "suspended")
+        if op == "dump":
+            await deleted_mid("dump")
+        ws = await wait_ws(env, w, "asleep (snapshot)", lambda ws: asleep(ws) and bool(
+            ws and ws["status"]["lastCapture"]["id"] != before and ws["status"]["lastCapture"].get("finished")))
+        cap = ws["status"]["lastCapture"]
+        assert cap["ok"] is True and cap["tier"] == "snapshot", cap
+        if op == "dump":
+            assert _steps(cap)[-3:] == ["wait-helper", "seal", "settle-snapshotted"], (
+                cap["steps"], logs, await env.pod_log(NS, agents[0], "agent", tail=120))
+        last_wake = ws["status"].get("lastWake", {}).get("id")
+        await override(env, w, "active")
+        if op == "restore":
+            await deleted_mid("restore")
+        woken = await wait_ws(env, w, "woken and verified", verified_after(last_wake))
+        wake = woken["status"]["lastWake"]
+        assert wake["ok"] is True, wake
+        if op == "restore":
+            assert _steps(wake) == ["wake", "wait-helper", "resume", "settle-active"], (
+                wake["steps"], logs, await env.pod_log(NS, agents[0], "agent", tail=120))
+        assert outlived == [True], "CRIU died with the agent's pod"
+        assert conns <= tcp_established(ep, remote=api_server), "the worker's API-server connections are new ones"
+        assert _criu_tables(ep) == [], "CRIU's network lock left in the worker's network namespace"
+        await same_pod(env, w, first)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await override(env, w, None)
 
 
 async def _replaced_event(env: Env, new: NodePod) -> Obj | None:

@@ -43,7 +43,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.models.ids import PodUID
-from dynsnap.runtime import procfs
+from dynsnap.runtime import caps, procfs
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.node_config import POD_PIDS_LIMIT
@@ -108,8 +108,15 @@ async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
     assert status["Uid"].split() == status["Gid"].split() == [str(CONTROLLER_UID)] * 4, status
     assert _root_mount_options(ctl_pid) & {"ro", "rw"} == {"ro"}
     assert agent["spec"]["hostPID"] is True
-    assert agent["spec"]["containers"][0]["securityContext"] == {"privileged": True}
-    assert security(container_pid(agent, "agent"))["Seccomp"] == "0"  # privileged: unconfined
+    # Not privileged: the chart's capabilities and nothing else, in every set the kernel keeps; no seccomp
+    # filter (a restored tree would inherit it), privilege escalation allowed (CRIU restores set-id tasks).
+    agent_sc = agent["spec"]["containers"][0]["securityContext"]
+    assert agent_sc["privileged"] is False and agent_sc["capabilities"]["drop"] == ["ALL"]
+    agent_sec = security(container_pid(agent, "agent"))
+    assert agent_sec["Seccomp"] == "0" and agent_sec["NoNewPrivs"] == "0"
+    want_caps = set(agent_sc["capabilities"]["add"])
+    assert {k: set(caps.names(int(agent_sec[k], 16))) for k in ("CapPrm", "CapEff", "CapBnd")} == {
+        k: want_caps for k in ("CapPrm", "CapEff", "CapBnd")}, agent_sec
     # The node tools the init container put on the node are the image's CRIU, with dynsnap's patches,
     # its CUDA plugin and dynsnap-cuda (also under the name the plugin execs), byte for byte, mode 0755.
     agent_img = OciImage.load(image_layout("dynsnap-agent"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -118,6 +119,44 @@ def test_criu_gets_an_empty_path_and_plugin_directory_of_the_agents(monkeypatch:
     _, program = _split(seen["argv"])  # type: ignore[arg-type]
     assert seen["env"]["PATH"] == "/opt/dynsnap/bin"  # type: ignore[index]
     assert program[program.index("--libdir") + 1] == "/opt/criu/lib/criu"
+
+
+def test_an_agent_stopped_while_criu_runs_on_leaves_criu_its_directories(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """The agent cancelled mid-run (its pod deleted: CRIU outlives it, kill_on_cancel off) keeps CRIU's work and
+    empty directories, which CRIU still uses; they go with the agent pod's memory volume at /tmp once CRIU
+    ends. A run that ended, in failure too, removes them."""
+    started = asyncio.Event()
+    seen: dict[str, str] = {}
+
+    async def hung(argv: list[str], **kw: object) -> CommandResult:
+        assert kw["kill_on_cancel"] is False
+        _, program = _split(argv)
+        seen["work"] = program[program.index("-W") + 1]
+        started.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("not cancelled")
+    monkeypatch.setattr(nsexec_mod, "run_command", hung)
+    (tmp_path / "img").mkdir()
+
+    async def stopped() -> None:
+        run = asyncio.create_task(criu_mod.criu_dump(SELF, NsPid(10000), tmp_path / "img", timeout=30,
+                                                     opts=CriuOptions(binary=_fake_criu(tmp_path), nsexec=NSEXEC)))
+        await started.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    asyncio.run(stopped())
+    work = Path(seen["work"])
+    try:
+        assert work.is_dir() and (work / "none").is_dir(), "CRIU's directories taken from under it"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    before = set(Path(tempfile.gettempdir()).glob("dynsnap-criu-*"))
+    with pytest.raises(CriuError):
+        _seen(monkeypatch, tmp_path, CriuOptions(binary=_fake_criu(tmp_path), nsexec=NSEXEC),
+              answer=CommandResult(1, "", "failed"))
+    assert set(Path(tempfile.gettempdir()).glob("dynsnap-criu-*")) == before, "a failed run's removed"
 
 
 def test_criu_reads_no_configuration_file(monkeypatch: pytest.MonkeyPatch) -> None:

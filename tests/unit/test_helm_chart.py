@@ -201,14 +201,40 @@ def test_controller_settings_follow_values() -> None:
 
 # -- the agent DaemonSet ---------------------------------------------------------------------------------
 
-def test_agent_daemonset_is_privileged_on_gpu_nodes_with_its_host_paths() -> None:
+AGENT_CAPABILITIES = {"CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP", "SETFCAP",
+                      "NET_BIND_SERVICE", "NET_RAW", "SYS_CHROOT", "MKNOD", "AUDIT_WRITE", "SYS_ADMIN", "SYS_PTRACE",
+                      "CHECKPOINT_RESTORE", "NET_ADMIN", "DAC_READ_SEARCH", "SYS_TIME", "IPC_LOCK"}
+
+
+def test_agent_extra_capabilities_are_added_and_privileged_is_an_explicit_choice() -> None:
+    (c,) = one(render("agent.extraCapabilities={SYS_RESOURCE,IPC_LOCK}"), "DaemonSet",
+               "dynsnap-agent")["spec"]["template"]["spec"]["containers"]
+    assert set(c["securityContext"]["capabilities"]["add"]) == AGENT_CAPABILITIES | {"SYS_RESOURCE"}
+    (c,) = one(render("agent.privileged=true"), "DaemonSet",
+               "dynsnap-agent")["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"] == {"privileged": True}
+
+
+def test_agent_daemonset_holds_criu_capabilities_on_gpu_nodes_with_its_host_paths() -> None:
     ds = one(render(), "DaemonSet", "dynsnap-agent")
     spec = ds["spec"]["template"]["spec"]
     assert spec["hostPID"] is True and spec["serviceAccountName"] == "dynsnap-agent"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     (c,) = spec["containers"]
-    assert c["securityContext"] == {"privileged": True}
+    sc = c["securityContext"]
+    # Not privileged: the runtime's default set a worker holds (CRIU gives it back at a restore) and what
+    # the agent and CRIU use themselves, nothing else (docs/install.md, "The agent's credentials").
+    assert sc["privileged"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert set(sc["capabilities"]["add"]) == AGENT_CAPABILITIES
+    dropped = {"SYS_RESOURCE", "SYS_MODULE", "SYS_RAWIO", "SYS_BOOT", "BPF", "PERFMON"}
+    assert not dropped & set(sc["capabilities"]["add"])
+    # /tmp, which CRIU uses too, a memory volume: its tmpfs outlives the agent's container in CRIU's mount
+    # namespace (the container's file system does not).
+    assert {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}} in spec["volumes"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    # A restored task inherits its restorer's seccomp filters and AppArmor label.
+    assert sc["seccompProfile"] == sc["appArmorProfile"] == {"type": "Unconfined"}
     assert c["args"] == ["agent"]
     env = container_env(c)
     assert env["DYNSNAP_AGENT_NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
@@ -235,6 +261,8 @@ def test_agent_daemonset_is_privileged_on_gpu_nodes_with_its_host_paths() -> Non
 def test_agent_env_is_real_settings_with_the_programs_defaults() -> None:
     (c,) = one(render(), "DaemonSet", "dynsnap-agent")["spec"]["template"]["spec"]["containers"]
     env = resolved(container_env(c), {"spec.nodeName": "gpu-node-7"})
+    # The NVIDIA container runtime's own variables: every GPU for dynsnap-cuda, no dynsnap setting.
+    assert (env.pop("NVIDIA_VISIBLE_DEVICES"), env.pop("NVIDIA_DRIVER_CAPABILITIES")) == ("all", "compute,utility")
     fields = {"DYNSNAP_AGENT_" + n.upper() for n in AgentSettings.model_fields}
     assert set(env) <= fields, set(env) - fields
     got = AgentSettings.from_env(environ=env)
@@ -285,11 +313,11 @@ def test_agent_extra_volumes_reach_the_pod_and_the_agent_container() -> None:
                "DaemonSet", "dynsnap-agent")["spec"]["template"]["spec"]
     (c,) = spec["containers"]
     vols = {v["name"]: v for v in spec["volumes"]}
-    assert set(vols) == {"images", "cuda-state", "node-tools", "nvidia-driver"}
+    assert set(vols) == {"images", "cuda-state", "node-tools", "tmp", "nvidia-driver"}
     assert vols["nvidia-driver"] == {"name": "nvidia-driver",
                                      "hostPath": {"path": "/home/kubernetes/bin/nvidia", "type": "Directory"}}
     mounts = {m["name"]: m for m in c["volumeMounts"]}
-    assert set(mounts) == {"images", "cuda-state", "node-tools", "nvidia-driver"}
+    assert set(mounts) == {"images", "cuda-state", "node-tools", "tmp", "nvidia-driver"}
     assert mounts["nvidia-driver"] == {"name": "nvidia-driver", "mountPath": "/usr/local/nvidia", "readOnly": True}
     assert container_env(c)["DYNSNAP_LIBCUDA"]["value"] == "/usr/local/nvidia/lib64/libcuda.so.1"
     # Only the agent's container: the init containers see the chart's own host paths alone.
@@ -297,7 +325,7 @@ def test_agent_extra_volumes_reach_the_pod_and_the_agent_container() -> None:
         assert "nvidia-driver" not in {m["name"] for m in init["volumeMounts"]}
     # None by default.
     default = one(render(), "DaemonSet", "dynsnap-agent")["spec"]["template"]["spec"]
-    assert {v["name"] for v in default["volumes"]} == {"images", "cuda-state", "node-tools"}
+    assert {v["name"] for v in default["volumes"]} == {"images", "cuda-state", "node-tools", "tmp"}
 
 
 # -- uninstall ---------------------------------------------------------------------------------------------
@@ -370,6 +398,8 @@ BAD_VALUES = [
     ("agent.extraVolumes[0].name=Driver_Libs", "/agent/extraVolumes/0/name"),
     ("agent.extraVolumeMounts[0].name=driver", "/agent/extraVolumeMounts/0': missing property 'mountPath'"),
     ("agent.extraVolumeMounts[0].mountPath=usr/lib", "/agent/extraVolumeMounts/0/mountPath"),
+    ("agent.extraCapabilities={CAP_SYS_RESOURCE}", "/agent/extraCapabilities/0"),  # the runtime's names: no CAP_
+    ("agent.extraCapabilities={sys_time}", "/agent/extraCapabilities/0"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("uninstall.timeout=0", "/uninstall/timeout"),
 ]

@@ -38,13 +38,15 @@ from pathlib import Path
 
 import pytest
 from controllerenv import cond, events_for, gate_of, get_ws
-from realnodecycle import cycle, override, pinned, same_pod, wait_ws
-from realnodeenv import WORKER_COMPONENT, Env, deployed, worker_main
+from faultsenv import error_is
+from realnodecycle import back_after_refusal, cycle, override, pinned, same_pod, set_tier, wait_ws
+from realnodeenv import WORKER_COMPONENT, Env, chart_pod, deployed, worker_main
 from realnodefacts import container_pid, container_procs, kubelet_facts
 from trustenv import plant_criu_config
 
 from dynsnap.k8s.client import Obj
 from dynsnap.models import resources as R
+from dynsnap.runtime import caps
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
 from dynsnap.testenv.real_graph import NodePod
@@ -340,3 +342,42 @@ async def test_a_shared_process_namespace_pod_is_refused_by_name_and_serves(env:
         live = await env.api.get(R.PODS, w.name, namespace=w.namespace)
         assert live["spec"].get("shareProcessNamespace") is True
         assert os.path.exists(f"/proc/{container_pid(live, 'main')}")
+
+
+async def test_a_worker_holding_a_capability_the_agent_lacks_is_refused_a_snapshot_and_sleeps_by_suspend(
+        env: Env) -> None:
+    """The chart's agent is not privileged: it holds the capabilities docs/install.md lists, and CRIU, its
+    child, can give a restored task back only those. A worker container that adds one beyond them
+    (``WAKE_ALARM``) is refused a snapshot before anything changes (``CapabilitiesBeyondAgent`` at the quiesce
+    step, naming the capability and the process; a refusal for good, so the controller puts it back into
+    serving at once), while tier suspend, which restores no credentials, captures and wakes it in place.
+    Before, a privileged agent's CRIU restored whatever the worker held."""
+    body = chart_node.example_body(env, name="hb-caps", worker_replicas=1, policy={"dynsnap.io/tier": "snapshot"})
+    main = worker_main(body)
+    sc = main.setdefault("securityContext", {})
+    sc.setdefault("capabilities", {}).setdefault("add", []).append("WAKE_ALARM")
+    async with deployed(env, body) as g:
+        w = g.workers(WORKER_COMPONENT)[0]
+        first = await kubelet_facts(env.api, w)
+        ep = container_procs(w.uid, first.container_id).entrypoint
+        assert "WAKE_ALARM" in caps.names(caps.union(caps.sets(ep) or {})), "the worker holds CAP_WAKE_ALARM"
+        agent = await chart_pod(env, "agent")
+        agent_caps = caps.sets(container_pid(agent, "agent")) or {}
+        assert "WAKE_ALARM" not in caps.names(agent_caps["CapBnd"]), agent_caps
+        await override(env, w, "suspended")
+        ws = await wait_ws(env, w, "CapabilitiesBeyondAgent", error_is("CapabilitiesBeyondAgent", step="quiesce"),
+                           timeout=120)
+        err = ws["status"]["lastError"]
+        assert "WAKE_ALARM" in err["message"] and "capabilities the agent's container does not hold" in err["message"]
+        cap = ws["status"]["lastCapture"]
+        assert cap["ok"] is False and [s["name"] for s in cap["steps"]] == ["quiesce"], cap
+        await wait_ws(env, w, "back in serving, verified", back_after_refusal("CapabilitiesBeyondAgent"), timeout=120)
+        await pinned(env, w, prompt="refused a snapshot, serving")
+        await override(env, w, None)
+        await set_tier(env, w, "suspend")
+
+        async def nothing(_: Obj) -> None:
+            return None
+        woken = await cycle(env, w, "suspend", nothing)
+        assert woken["status"]["lastWake"]["ok"] is True
+        await same_pod(env, w, first)
