@@ -375,9 +375,24 @@ MUTATIONS = (
     mutation(
         "edge-ignores-requests", "a request that reaches a worker asleep routable is not seen by the agent",
         EDGE,
-        "        if n and n > 0 and s.key not in seen:\n",
-        "        if False:\n",
-        tests=[WOR_TWO]),
+        "            if n and n > 0:\n",
+        "            if False:\n",
+        tests=[WOR_TWO, "tests/unit/test_bounded_http.py::"
+                        "test_one_trickling_sleeper_delays_no_other_sleepers_wake_on_request"]),
+    mutation(
+        "edge-one-round-for-all", "the wake-on-request watch waits for every sleeper's look each round", EDGE,
+        "                        loops[key] = (s, start(s))\n",
+        "                        await look(http, s)\n                        loops[key] = (s, start(s))\n",
+        tests=["tests/unit/test_bounded_http.py::test_one_trickling_sleeper_delays_no_other_sleepers_wake_on_request"]),
+    mutation(
+        "exchange-unbounded-in-time", "an exchange with a pod is bounded per read only (httpx's timeout)",
+        "dynsnap/runtime/bounded_http.py", "        async with asyncio.timeout(deadline):\n",
+        "        async with asyncio.timeout(None):\n",
+        tests=["tests/unit/test_bounded_http.py::test_a_trickled_body_ends_at_the_deadline_though_every_read_is_quick"]),
+    mutation(
+        "exchange-unbounded-in-size", "an answer's body is read whatever its size", "dynsnap/runtime/bounded_http.py",
+        "                    if len(body) > max_bytes:\n", "                    if False:\n",
+        tests=["tests/unit/test_bounded_http.py::test_an_answer_over_the_cap_is_refused_as_it_comes"]),
     mutation(
         "request-wake-trigger-unrecorded", "the agent's wake for a request is not recorded as one (trigger)",
         NODE,

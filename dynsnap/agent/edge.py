@@ -10,8 +10,9 @@ every ``routable_poll_interval`` (50 ms), so a request is seen within about that
 scrape's 10 s. What is seen goes to the reconcile (``on_request``): the wake is the agent's own
 (``trigger: request`` in its record), and the controller is told by the status, not asked.
 
-Only routable sleepers are polled, one GET each per interval, at most ``MAX_AT_ONCE`` at a time;
-a worker that does not answer is asked again at the next interval (it wakes nothing).
+Only routable sleepers are polled, each by a loop of its own (one GET per interval, the whole of it
+bounded in time and size: runtime.bounded_http), so one sleeper's slow or huge answers delay no
+other's; a worker that does not answer is asked again at its next interval (it wakes nothing).
 
 Layer: ``dynsnap.agent`` (I/O: HTTP to the workers' own system ports).
 """
@@ -27,13 +28,14 @@ from typing import Any
 
 import httpx
 
-from dynsnap.agent.idle import MetricsUnavailable, parse_metrics
+from dynsnap.agent.idle import METRICS_MAX_BYTES, MetricsUnavailable, parse_metrics
 from dynsnap.models import protocol as P
 from dynsnap.models.protocol import DesiredState, ObservedState
+from dynsnap.runtime.bounded_http import ExchangeError, exchange
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
-MAX_AT_ONCE = 32  # GETs in flight at once: a node has a few routable sleepers, never thousands
+MAX_SLEEPERS = 256  # sleepers watched at once: a node has a few routable sleepers, never thousands
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,15 @@ def routable_sleepers(snapshots: Iterable[Obj], pod_ip: Callable[[str, str], str
     return out
 
 
-async def inflight(http: httpx.AsyncClient, url: str) -> int | None:
+async def inflight(http: httpx.AsyncClient, url: str, *, timeout: float) -> int | None:
     """The worker's in-flight requests, summed over its series as the idle facts read them
-    (``idle.parse_metrics``); None when it did not answer or its page has no in-flight series."""
+    (``idle.parse_metrics``); None when it did not answer in full within ``timeout`` (and
+    ``idle.METRICS_MAX_BYTES``) or its page has no in-flight series."""
     try:
-        r = await http.get(url)
-    except httpx.HTTPError:
+        r = await exchange(http, "GET", url, deadline=timeout, max_bytes=METRICS_MAX_BYTES)
+    except ExchangeError:
         return None
-    if r.status_code != 200:
+    if r.status != 200:
         return None
     try:
         return parse_metrics(r.text).inflight
@@ -80,23 +83,42 @@ async def inflight(http: httpx.AsyncClient, url: str) -> int | None:
 
 async def watch(sleepers: Callable[[], list[Sleeper]], on_request: Callable[[str], None], *, interval: float,
                 stop: asyncio.Event, timeout: float = 1.0) -> None:
-    """Until ``stop``: every ``interval`` seconds, each routable sleeper's in-flight gauge; one above 0
-    is passed to ``on_request`` (once per sleep: the reconcile wakes it and it leaves the list)."""
+    """Until ``stop``: each routable sleeper watched by a loop of its own, its in-flight gauge every ``interval``
+    seconds, each look bounded as a whole by ``timeout``; one above 0 is passed to ``on_request`` (once per
+    sleep: the reconcile wakes it and it leaves the list). A sleeper whose answers trickle or swell delays its
+    own looks only, never another's (before, one round waited for every sleeper's answer). The list is read
+    again every ``interval``: a sleeper that left it (woken, gone) has its loop ended."""
     seen: set[str] = set()
-    limit = asyncio.Semaphore(MAX_AT_ONCE)
+    loops: dict[str, tuple[Sleeper, asyncio.Task[None]]] = {}
 
-    async def one(http: httpx.AsyncClient, s: Sleeper) -> None:
-        async with limit:
-            n = await inflight(http, s.url)
-        if n and n > 0 and s.key not in seen:
-            seen.add(s.key)
-            log.info("%s: %g request(s) reached it asleep routable: waking it", s.key, n)
-            on_request(s.key)
-
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+    async def look(http: httpx.AsyncClient, s: Sleeper) -> None:
         while not stop.is_set():
-            now = sleepers()
-            seen.intersection_update({s.key for s in now})  # one that woke (or went) is watched afresh next time
-            await asyncio.gather(*(one(http, s) for s in now if s.key not in seen))
+            n = await inflight(http, s.url, timeout=timeout)
+            if n and n > 0:
+                seen.add(s.key)
+                log.info("%s: %g request(s) reached it asleep routable: waking it", s.key, n)
+                on_request(s.key)
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
+
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+        def start(s: Sleeper) -> asyncio.Task[None]:
+            return asyncio.create_task(look(http, s), name=f"wake-on-request {s.key}")
+        try:
+            while not stop.is_set():
+                now = {s.key: s for s in sleepers()[:MAX_SLEEPERS]}
+                seen.intersection_update(now)  # one that woke (or went) is watched afresh next time
+                for key, (s, task) in list(loops.items()):
+                    if now.get(key) != s or task.done():
+                        task.cancel()
+                        del loops[key]
+                for key, s in now.items():
+                    if key not in loops and key not in seen:
+                        loops[key] = (s, start(s))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+        finally:
+            for _, task in loops.values():
+                task.cancel()
+            await asyncio.gather(*(task for _, task in loops.values()), return_exceptions=True)

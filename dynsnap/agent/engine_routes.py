@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
+
+from dynsnap.runtime.bounded_http import ExchangeError, exchange
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ ROUTE_SETS: Final = (
 )
 # An answer body is at most this many bytes kept for a message (an engine's error can be a traceback).
 _MESSAGE_MAX = 2000
+
+
+# An engine's answer to a sleep or wake route is a small JSON object; one past this is no engine's.
+ROUTE_ANSWER_MAX_BYTES = 1 << 20
+
+
+def _never_connected(e: BaseException) -> bool:
+    return isinstance(e, ExchangeError) and isinstance(e.__cause__, httpx.ConnectError)
 
 
 class EngineRouteError(RuntimeError):
@@ -100,27 +110,29 @@ class EngineRoutes:
 
         async def once() -> Answer:
             async with httpx.AsyncClient(timeout=bound, trust_env=False) as http:
-                r = await http.post(url, json=body)
+                r = await exchange(http, "POST", url, json=body, deadline=bound, max_bytes=ROUTE_ANSWER_MAX_BYTES)
             try:
                 data = r.json()
             except ValueError:
                 data = None
-            return Answer(r.status_code, data if isinstance(data, dict) else None, r.text)
+            return Answer(r.status, data if isinstance(data, dict) else None, r.text)
 
         try:
             async with asyncio.timeout(bound):
                 # Only a connection that was never made is tried again: a request the engine may have
                 # received is not sent twice by this layer.
                 async for attempt in AsyncRetrying(
-                        retry=retry_if_exception_type(httpx.ConnectError), reraise=True,
+                        retry=retry_if_exception(_never_connected), reraise=True,
                         stop=stop_after_attempt(self.connect_attempts) | stop_after_delay(bound),
                         wait=wait_exponential(multiplier=0.1, max=1.0)):
                     with attempt:
                         return await once()
-        except (TimeoutError, httpx.TimeoutException) as e:
+        except TimeoutError as e:
             raise EngineRouteTimeout(f"POST {url}: no answer within {bound:g} s") from e
-        except httpx.HTTPError as e:
-            raise EngineRouteError(f"POST {url}: {type(e).__name__}: {e}") from e
+        except ExchangeError as e:
+            if e.cause == "deadline" or isinstance(e.__cause__, httpx.TimeoutException):
+                raise EngineRouteTimeout(f"POST {url}: no answer within {bound:g} s") from e
+            raise EngineRouteError(str(e)) from e
         raise EngineRouteError(f"POST {url}: not sent")  # pragma: no cover - the loop returns or raises
 
     async def sleep(self, *, level: int) -> tuple[RouteSet, str]:

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 import httpx
 
 from dynsnap.models.workersnapshot import IdleFacts
+from dynsnap.runtime.bounded_http import ExchangeError, exchange
 from dynsnap.telemetry import promtext
 
 # Dynamo 1.6.1 worker metrics (its system port). In-flight is a gauge per endpoint; requests a
@@ -29,7 +30,12 @@ class Sample:
 
 
 class MetricsUnavailable(RuntimeError):
-    """The worker's metrics could not be read, or lack the series idle is measured by."""
+    """The worker's metrics could not be read, or lack the series idle is measured by. ``cause``: the bound
+    the exchange passed (``deadline``, ``size``), ``transport``, or None (an answer, not a worker's page)."""
+
+    def __init__(self, message: str, *, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def parse_metrics(text: str) -> Sample:
@@ -42,14 +48,23 @@ def parse_metrics(text: str) -> Sample:
     return Sample(inflight=int(inflight), requests=promtext.total(found, REQUESTS) or 0.0)
 
 
-async def scrape(url: str, *, timeout: float = 3.0) -> Sample:
+# A worker's metrics page is tens of KiB (Dynamo 1.6.1's mocker: 9 KiB); a page past this is no worker's.
+METRICS_MAX_BYTES = 4 << 20
+
+
+async def scrape(url: str, *, timeout: float = 3.0, http: httpx.AsyncClient | None = None) -> Sample:
+    """The worker's sample, the whole GET within ``timeout`` and its page at most METRICS_MAX_BYTES
+    (runtime.bounded_http); MetricsUnavailable otherwise, naming which bound it passed."""
     try:
-        async with httpx.AsyncClient(timeout=timeout) as http:
-            r = await http.get(url)
-    except httpx.HTTPError as e:
-        raise MetricsUnavailable(f"cannot read {url}: {e!r}") from e
-    if r.status_code != 200:
-        raise MetricsUnavailable(f"{url} answered {r.status_code}")
+        if http is not None:
+            r = await exchange(http, "GET", url, deadline=timeout, max_bytes=METRICS_MAX_BYTES)
+        else:
+            async with httpx.AsyncClient(timeout=timeout, trust_env=False) as own:
+                r = await exchange(own, "GET", url, deadline=timeout, max_bytes=METRICS_MAX_BYTES)
+    except ExchangeError as e:
+        raise MetricsUnavailable(f"cannot read {url}: {e}", cause=e.cause) from e
+    if r.status != 200:
+        raise MetricsUnavailable(f"{url} answered {r.status}")
     return parse_metrics(r.text)
 
 

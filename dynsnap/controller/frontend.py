@@ -38,10 +38,13 @@ from dynsnap.k8s.retry import FRONTEND, RetryPolicy
 from dynsnap.models import protocol as P
 from dynsnap.models.dynamo import worker_ids_from
 from dynsnap.models.ids import InstanceId
+from dynsnap.runtime.bounded_http import Answer, ExchangeError, exchange
 from dynsnap.telemetry import promtext
 
 T = TypeVar("T")
 
+# A models list or a pinned completion of a few tokens is a few KiB; a frontend's answer past this is refused.
+ANSWER_MAX_BYTES = 1 << 20
 INFLIGHT = "dynamo_frontend_inflight_requests"
 QUEUED = "dynamo_frontend_queued_requests"
 
@@ -229,6 +232,7 @@ class Frontend:
     the rare requests (models, pinned requests), :class:`MetricsScraper` for the demand scrape."""
 
     def __init__(self, *, timeout: float = 10.0, attempts: int = FRONTEND.attempts) -> None:
+        self.timeout = timeout  # also each exchange's total bound (runtime.bounded_http)
         self.http = httpx.AsyncClient(timeout=timeout, trust_env=False)
         self.scraper = MetricsScraper(timeout=timeout)
         # Each GET within the whole policy: its attempts, and at least one whole timeout per attempt.
@@ -247,12 +251,14 @@ class Frontend:
         except RetryExhausted as e:
             raise FrontendError(f"GET {url}: {e.last}") from e
 
-    async def _get(self, url: str) -> httpx.Response:
-        async def once() -> httpx.Response:
+    async def _get(self, url: str) -> Answer:
+        async def once() -> Answer:
             try:
-                return await self.http.get(url)
-            except httpx.HTTPError as e:
-                raise ConnectionError(f"{type(e).__name__}: {e}") from e
+                return await exchange(self.http, "GET", url, deadline=self.timeout, max_bytes=ANSWER_MAX_BYTES)
+            except ExchangeError as e:
+                if e.cause == "size":  # an answer, too large: asking again gets the same
+                    raise FrontendError(str(e)) from e
+                raise ConnectionError(str(e)) from e
         return await self._retried(url, once)
 
     async def demand(self, base: str) -> Demand:
@@ -270,9 +276,16 @@ class Frontend:
 
     async def models(self, base: str) -> list[str]:
         r = await self._get(f"{base}/v1/models")
-        if r.status_code != 200:
-            raise FrontendError(f"GET {base}/v1/models: HTTP {r.status_code}")
-        return [str(m["id"]) for m in (r.json().get("data") or []) if isinstance(m, dict) and "id" in m]
+        if r.status != 200:
+            raise FrontendError(f"GET {base}/v1/models: HTTP {r.status}")
+        try:
+            data = r.json()
+        except ValueError as e:
+            raise FrontendError(f"GET {base}/v1/models: the answer is not JSON") from e
+        listed = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(listed, list):
+            raise FrontendError(f"GET {base}/v1/models: the answer is not a model list ({r.text[:200]!r})")
+        return [str(m["id"]) for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     async def pinned(self, base: str, model: str, *, worker_id: int | None, prefill_id: int | None,
                      max_tokens: int = 4) -> PinnedAnswer:
@@ -280,15 +293,18 @@ class Frontend:
         body = {"model": model, "messages": [{"role": "user", "content": "dynsnap verify"}],
                 "max_tokens": max_tokens, "stream": False, "nvext": {"extra_fields": ["worker_id"]}}
         try:
-            r = await self.http.post(f"{base}/v1/chat/completions", json=body,
-                                     headers=pin_headers(worker_id=worker_id, prefill_id=prefill_id))
-        except httpx.HTTPError as e:
-            return PinnedAnswer(0, None, None, f"{type(e).__name__}: {e}")
-        if r.status_code != 200:
-            return PinnedAnswer(r.status_code, None, None, r.text[:300])
+            r = await exchange(self.http, "POST", f"{base}/v1/chat/completions", json=body,
+                               headers=pin_headers(worker_id=worker_id, prefill_id=prefill_id),
+                               deadline=self.timeout, max_bytes=ANSWER_MAX_BYTES)
+        except ExchangeError as e:
+            return PinnedAnswer(0, None, None, str(e))
+        if r.status != 200:
+            return PinnedAnswer(r.status, None, None, r.text[:300])
         try:
             data = r.json()
         except ValueError:
-            return PinnedAnswer(r.status_code, None, None, "answer is not JSON")
+            return PinnedAnswer(r.status, None, None, "answer is not JSON")
+        if not isinstance(data, dict):
+            return PinnedAnswer(r.status, None, None, f"answer is not a JSON object: {r.text[:200]!r}")
         decode, prefill = worker_ids_from(data)
         return PinnedAnswer(200, decode, prefill)

@@ -41,18 +41,27 @@ def transport_from_dwm(dwm: dict[str, Any]) -> str | None:
 
 def worker_ids_from(data: Any) -> tuple[InstanceId | None, InstanceId | None]:
     """(decode or aggregated worker id, prefill worker id) from a frontend answer's
-    ``nvext.worker_id`` (present when the request asked ``nvext.extra_fields: ["worker_id"]``)."""
-    if not isinstance(data, dict):
+    ``nvext.worker_id`` (present when the request asked ``nvext.extra_fields: ["worker_id"]``).
+    An answer of another shape (not an object, ``nvext`` not one, an id that is no whole number) names no
+    worker: (None, None) for what is missing or malformed, never an exception (a frontend's answer is
+    untrusted)."""
+    if not isinstance(data, dict) or not isinstance(data.get("nvext"), dict):
         return None, None
-    wid = (data.get("nvext") or {}).get("worker_id")
+    wid = data["nvext"].get("worker_id")
     if isinstance(wid, dict):
         decode = wid.get("decode_worker_id", wid.get("worker_id"))
-        prefill = wid.get("prefill_worker_id")
-        return (InstanceId(int(decode)) if decode is not None else None,
-                InstanceId(int(prefill)) if prefill is not None else None)
-    if wid is not None:
-        return InstanceId(int(wid)), None
-    return None, None
+        return _instance_id(decode), _instance_id(wid.get("prefill_worker_id"))
+    return _instance_id(wid), None
+
+
+def _instance_id(value: Any) -> InstanceId | None:
+    """A worker id as a frontend writes it: a non-negative whole number (a JSON integer, or its decimal
+    string); anything else is None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return InstanceId(value)
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        return InstanceId(int(value))
+    return None
 
 
 def metrics_worker_label(instance_id: InstanceId) -> str:

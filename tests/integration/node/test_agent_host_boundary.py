@@ -352,7 +352,7 @@ async def test_a_worker_holding_a_capability_the_agent_lacks_is_refused_a_snapsh
     step, naming the capability and the process; a refusal for good, so the controller puts it back into
     serving at once), while tier suspend, which restores no credentials, captures and wakes it in place.
     Before, a privileged agent's CRIU restored whatever the worker held."""
-    body = chart_node.example_body(env, name="hb-caps", worker_replicas=1, policy={"dynsnap.io/tier": "snapshot"})
+    body = chart_node.example_body(env, name="hb-caps", worker_replicas=2, policy={"dynsnap.io/tier": "snapshot"})
     main = worker_main(body)
     sc = main.setdefault("securityContext", {})
     sc.setdefault("capabilities", {}).setdefault("add", []).append("WAKE_ALARM")
