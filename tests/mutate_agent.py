@@ -444,6 +444,10 @@ MUTATIONS = (
         CRIU, "        if not _cancelling():", "        if True:",
         tests=["tests/unit/test_agent_criu.py::test_an_agent_stopped_while_criu_runs_on_leaves_criu_its_directories"]),
     mutation(
+        "status-lists-every-process", "a record lists every process of the worker, however many", STATUS,
+        "for p in every[:STATUS_PIDS_MAX]]", "for p in every]",
+        tests=["tests/unit/test_agent_status.py::test_a_record_of_thousands_of_processes_stays_small_gpu_processes_first"]),
+    mutation(
         "snapshot-beyond-the-agents-capabilities", "a worker holding capabilities the agent lacks is snapshotted",
         CAPTURE_STEPS, "    if beyond:\n", "    if False and beyond:\n",
         tests=[U_CAPS + "test_the_snapshot_preflight_refuses_it_for_good_before_any_change", CAPS_NODE]),

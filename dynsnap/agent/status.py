@@ -24,6 +24,7 @@ from dynsnap.models import protocol as P
 from dynsnap.models.protocol import ConditionType as CT
 from dynsnap.models.protocol import DesiredState, ObservedState, Reason, Tier
 from dynsnap.models.workersnapshot import (
+    STATUS_PIDS_MAX,
     ErrorRecord,
     GpuMemory,
     IdleFacts,
@@ -184,7 +185,9 @@ def record(status: WorkerSnapshotStatus, step: Step, result: StepResult) -> None
     rec.steps.append(StepTiming(name=step.value, seconds=round(result.seconds, 4)))
     info = result.info
     if "pids" in info:
-        rec.pids = [PidRecord(host=p["host"], ns=p["ns"], gpu=p["gpu"]) for p in info["pids"]]
+        every = sorted(info["pids"], key=lambda p: not p["gpu"])  # GPU processes first (a stable sort)
+        rec.pids = [PidRecord(host=p["host"], ns=p["ns"], gpu=p["gpu"]) for p in every[:STATUS_PIDS_MAX]]
+        rec.pids_omitted = max(len(every) - STATUS_PIDS_MAX, 0) or None
     if "gpus" in info:
         rec.gpus = [GpuMemory(uuid=g["uuid"], free_before=g.get("freeBefore"), free_after=g.get("freeAfter"))
                     for g in info["gpus"]]

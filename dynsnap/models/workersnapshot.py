@@ -26,6 +26,9 @@ DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 UID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 REASON_PATTERN = r"^[A-Z][A-Za-z0-9]*$"  # CamelCase, as the API conventions ask
+# The processes an operation record lists (its GPU processes first); the rest are counted in pidsOmitted,
+# so a worker with thousands of processes keeps its object small (the agent keeps the whole list on disk).
+STATUS_PIDS_MAX = 64
 
 
 def utcnow() -> datetime:
@@ -120,7 +123,11 @@ class OperationRecord(_Model):
     finished: datetime | None = None
     ok: bool | None = None
     steps: list[StepTiming] = []
-    pids: list[PidRecord] = []
+    pids: Annotated[list[PidRecord], Field(max_length=STATUS_PIDS_MAX, description=(
+        f"The worker's processes, GPU processes first, at most {STATUS_PIDS_MAX}; pidsOmitted counts the rest."
+    ))] = []
+    pids_omitted: Annotated[int, Field(ge=0, description="Processes of the worker beyond those pids lists.")] \
+        | None = None
     gpus: list[GpuMemory] = []
     image_bytes: Annotated[int, Field(ge=0)] | None = None
     image: ImageRef | None = None

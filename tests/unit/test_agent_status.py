@@ -4,6 +4,7 @@ after WorkerLost a WorkerSnapshot read ``state: Unknown``, ``Accepted=Unknown/Po
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,12 @@ from dynsnap.agent import status as S
 from dynsnap.agent.admission import Verdict
 from dynsnap.agent.executor import Observation
 from dynsnap.agent.plan import Facts, Step
+from dynsnap.agent.steps import StepResult
 from dynsnap.agent.worker import WorkerProcs
 from dynsnap.models.ids import HostPid, PodUID
 from dynsnap.models.protocol import ConditionType as CT
 from dynsnap.models.protocol import EntrypointState, ObservedState, Reason
-from dynsnap.models.workersnapshot import WorkerSnapshot, set_condition
+from dynsnap.models.workersnapshot import STATUS_PIDS_MAX, WorkerSnapshot, set_condition
 
 UID = "0f6c3f2e-1b2a-4c3d-8e4f-5a6b7c8d9e0f"
 
@@ -82,3 +84,20 @@ def test_a_settled_worker_is_suspended_exactly_when_its_state_says(ep: Entrypoin
     ws = _ws(ObservedState.UNKNOWN, suspended=not alive)
     st = S.settled(ws, ws.status.model_copy(deep=True), _obs(ep, alive=alive))
     assert _cond(st, CT.SUSPENDED) == want
+
+
+def test_a_record_of_thousands_of_processes_stays_small_gpu_processes_first() -> None:
+    """Status stays small (issue 39): a worker of 5000 processes, three of them on the GPU, at the end of the
+    list. Its capture record lists 64, the GPU processes among them, and counts the rest; the whole object
+    is a few KiB and the CRD's maxItems holds it."""
+    ws = _ws(ObservedState.ACTIVE, suspended=False)
+    ws.status.last_capture = S.OperationRecord(id="c1", tier="snapshot", started=S.utcnow())
+    pids = [{"host": 1000 + i, "ns": 10000 + i, "gpu": i >= 4997} for i in range(5000)]
+    S.record(ws.status, Step.QUIESCE, StepResult(Step.QUIESCE, 0.1, {"pids": pids}))
+    rec = ws.status.last_capture
+    assert len(rec.pids) == STATUS_PIDS_MAX == 64 and rec.pids_omitted == 5000 - 64
+    assert [p.ns for p in rec.pids[:3]] == [14997, 14998, 14999] and all(p.gpu for p in rec.pids[:3])
+    body = json.dumps(ws.model_dump(mode="json", by_alias=True, exclude_none=True))
+    assert len(body) < 8 << 10, len(body)
+    S.record(ws.status, Step.QUIESCE, StepResult(Step.QUIESCE, 0.1, {"pids": pids[:3]}))
+    assert len(rec.pids) == 3 and rec.pids_omitted is None
