@@ -427,6 +427,11 @@ MUTATIONS = (
         "    if False:\n        return Step.WAIT_HELPER\n",
         tests=[NODE_RESTART + "[capture-save-suspend]", NODE_RESTART + "[wake-resume-snapshot]"]),
     mutation(
+        "reconcile-unbounded", "a reconcile that never returns holds its worker for good (the bound ignored)",
+        "dynsnap/runtime/workqueue.py", "                async with asyncio.timeout(timeout):\n",
+        "                async with asyncio.timeout(None):\n",
+        tests=["tests/unit/test_workqueue.py::test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again"]),
+    mutation(
         "queue-not-shut-on-stop", "a stopping agent cancels its workers without shutting its queue down first: a "
         "worker whose cancellation went missing goes on reconciling", "dynsnap/runtime/manager.py",
         "        elif on_stop is not None:\n            on_stop()\n",

@@ -287,7 +287,8 @@ class Controller:
                 self.queue.add(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
         try:
             await run_until_stopped(run_workers(self.queue, self.reconcile, workers=self.settings.workers,
-                                                name="controller"), stop, on_stop=self.queue.shutdown)
+                                                name="controller", timeout=self.settings.reconcile_timeout),
+                                    stop, on_stop=self.queue.shutdown)
         finally:
             self.queue.shutdown()
 

@@ -63,6 +63,10 @@ class ControllerSettings(BaseModel):
         "bounded by the wake timeout too."))] = 120.0
     verify_request_timeout: Annotated[float, Field(gt=0, description=(
         "Seconds one pinned verification request may take (a frozen worker answers 504 after 5 s)."))] = 30.0
+    reconcile_timeout: Annotated[float, Field(gt=0, description=(
+        "Seconds one reconcile of a worker may take before it is cancelled and tried again after a backoff: a "
+        "graph whose frontend answers slowly holds a reconcile worker at most this long, and a phase's deadline "
+        "is looked at again by the next reconcile. Above one pinned verification request's bound."))] = 90.0
     health_port: Annotated[int, Field(ge=0, lt=65536, description=(
         "Port of /healthz, /readyz and /metrics (0: an ephemeral port, logged)."))] = 8080
     health_host: Annotated[str, Field(description="Address the health and metrics port binds.")] = "0.0.0.0"

@@ -136,8 +136,11 @@ Reconcile = Callable[[K], Awaitable[float | None]]
 
 
 async def run_workers(queue: WorkQueue[K], reconcile: Reconcile[K], *, workers: int,
-                      name: str = "reconcile") -> None:
-    """Drain ``queue`` with ``workers`` concurrent workers until it is shut down."""
+                      name: str = "reconcile", timeout: float | None = None) -> None:
+    """Drain ``queue`` with ``workers`` concurrent workers until it is shut down. With ``timeout``, a reconcile
+    that has not returned within it is cancelled and counted as failed (its key again after the rate limiter's
+    delay): one key whose reconcile waits on something slow holds a worker for at most that long, and its
+    next reconcile looks at its deadlines afresh."""
 
     async def worker(i: int) -> None:
         while True:
@@ -147,7 +150,12 @@ async def run_workers(queue: WorkQueue[K], reconcile: Reconcile[K], *, workers: 
                 return
             try:
                 queue.stats.reconciles += 1
-                again = await reconcile(key)
+                async with asyncio.timeout(timeout):
+                    again = await reconcile(key)
+            except TimeoutError:
+                queue.stats.errors += 1
+                delay = queue.add_rate_limited(key)
+                log.warning("%s %s: not done within %g s, cancelled; again in %.2f s", name, key, timeout, delay)
             except Exception:
                 queue.stats.errors += 1
                 delay = queue.add_rate_limited(key)

@@ -84,3 +84,29 @@ async def test_failing_reconcile_is_retried_and_a_returned_delay_requeues() -> N
     q.shutdown()
     await asyncio.wait_for(task, 5)
     assert seen == ["k"] * 4 and q.stats.errors == 1
+
+
+async def test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again() -> None:
+    """One worker; key "stuck" waits on something that never answers (a trickling frontend), key "other" is
+    behind it. With a bound, "stuck" is cancelled (its wait sees the cancellation), counted as failed and
+    queued again, and "other" is reconciled by the same worker. Without one, "other" would never be."""
+    q: WorkQueue[str] = WorkQueue()
+    done: list[str] = []
+    cancelled: list[str] = []
+
+    async def reconcile(key: str) -> float | None:
+        if key == "stuck" and not cancelled:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(key)
+                raise
+        done.append(key)
+        if len(done) == 2:
+            q.shutdown()
+        return None
+
+    q.add("stuck")
+    q.add("other")
+    await asyncio.wait_for(run_workers(q, reconcile, workers=1, timeout=0.2), timeout=30)
+    assert cancelled == ["stuck"] and done == ["other", "stuck"] and q.stats.errors == 1
