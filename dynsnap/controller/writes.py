@@ -31,7 +31,7 @@ from dynsnap.controller.scope import Stores
 from dynsnap.controller.settings import ControllerSettings
 from dynsnap.controller.status import Verdict, controller_status
 from dynsnap.k8s.client import Kube
-from dynsnap.k8s.errors import Conflict, NotFound
+from dynsnap.k8s.errors import Conflict, Invalid, NotFound
 from dynsnap.k8s.informer import strip_managed_fields
 from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
@@ -65,13 +65,27 @@ class Ctx:
     # subject -> (note, occurrence) last said as an Event; pruned with the pod or graph (forget)
     reported: dict[str, tuple[str, str | None]] = field(default_factory=dict)
 
-    async def gate(self, pod: Obj, value: bool) -> None:
-        """The pod's ``dynsnap.io/serving`` condition (SSA of pod status, manager ``dynsnap``)."""
+    async def gate(self, pod: Obj, value: bool) -> bool:
+        """The pod's ``dynsnap.io/serving`` condition (SSA of pod status, manager ``dynsnap``), for this pod
+        alone: its UID is in the applied object, which the API server holds to the stored pod's, so a pod
+        recreated under the name since ``pod`` was read never receives it (its own reconcile sets its
+        gate). False when it did not reach this pod (gone, or another pod by now)."""
         meta = pod["metadata"]
-        await self.kube.apply(R.PODS, {"metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-                                       "status": {"conditions": [{"type": P.CONDITION_SERVING,
-                                                                  "status": "True" if value else "False"}]}},
-                              subresource="status", field_manager=P.FIELD_MANAGER)
+        ident = {"name": meta["name"], "namespace": meta["namespace"]}
+        if meta.get("uid"):
+            ident["uid"] = meta["uid"]
+        try:
+            await self.kube.apply(R.PODS, {"metadata": ident,
+                                           "status": {"conditions": [{"type": P.CONDITION_SERVING,
+                                                                      "status": "True" if value else "False"}]}},
+                                  subresource="status", field_manager=P.FIELD_MANAGER)
+        except (NotFound, Conflict, Invalid) as e:
+            if isinstance(e, Invalid) and "uid" not in str(e):
+                raise
+            log.info("%s/%s: the gate not written: the pod of UID %s is gone (%s)", meta["namespace"], meta["name"],
+                     meta.get("uid"), e.reason or e.status)
+            return False
+        return True
 
     async def apply_spec(self, ws: WorkerSnapshot, *, desired: DesiredState | None = None,
                          tier: P.Tier | None = None, engine_sleep_level: int | None = None,
