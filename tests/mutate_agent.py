@@ -141,8 +141,8 @@ MUTATIONS = (
         tests=[ADMIT_UNIT, WRONG_UID]),
     mutation(
         "no-multi-gpu-refusal", "NCCL ranks without the settings the driver needs are captured", CAPTURE_STEPS,
-        "    unsafe = W.unsafe_multi_gpu(w, ex.proc)\n",
-        "    unsafe = None\n",
+        "        unsafe = await asyncio.to_thread(W.unsafe_multi_gpu, w, ex.proc)\n",
+        "        unsafe = None\n",
         tests=[NCCL]),
     mutation(
         "no-rollback-after-failed-save", "a failed save leaves the GPU processes as it left them", CUDA,
@@ -426,6 +426,14 @@ MUTATIONS = (
         "    if f.helper_running:\n        return Step.WAIT_HELPER\n",
         "    if False:\n        return Step.WAIT_HELPER\n",
         tests=[NODE_RESTART + "[capture-save-suspend]", NODE_RESTART + "[wake-resume-snapshot]"]),
+    mutation(
+        "maps-read-whole", "a process's /proc maps is read whatever its size", "dynsnap/runtime/procfs.py",
+        "    if len(raw) > MAPS_READ_BOUND:\n", "    if False:\n",
+        tests=["tests/unit/test_procfs_bounds.py::test_maps_past_the_bound_are_refused_and_within_it_read"]),
+    mutation(
+        "fds-read-whole", "every descriptor of a process is read whatever their number", "dynsnap/runtime/procfs.py",
+        "            if len(names) == FD_COUNT_BOUND:\n", "            if False:\n",
+        tests=["tests/unit/test_procfs_bounds.py::test_descriptors_past_the_bound_are_refused_before_any_is_read"]),
     mutation(
         "reconcile-unbounded", "a reconcile that never returns holds its worker for good (the bound ignored)",
         "dynsnap/runtime/workqueue.py", "                async with asyncio.timeout(timeout):\n",

@@ -10,6 +10,7 @@ thing, records what it found in ``call.info``, and raises :class:`~dynsnap.agent
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -41,13 +42,17 @@ async def quiesce(ex: Executor, c: StepCall) -> None:
         why = await c.gate(w)
         if why:
             raise StepFailure(Reason.WORKER_SERVING, why, changed=False)
-    unsafe = W.unsafe_multi_gpu(w, ex.proc)
+    try:  # /proc reads, off the event loop (bounded: procfs)
+        unsafe = await asyncio.to_thread(W.unsafe_multi_gpu, w, ex.proc)
+        if c.tier == Tier.SNAPSHOT and not unsafe:
+            await asyncio.to_thread(snapshot_preflight, ex, w)
+    except procfs.ProcBoundExceeded as e:
+        raise StepFailure(Reason.PROCESS_TOO_LARGE, str(e), changed=False) from e
     if unsafe:
         raise StepFailure(Reason.UNSAFE_MULTI_GPU, unsafe, changed=False)
     if c.tier == Tier.ENGINE:
         c.info["engine"] = {"routes": await G.probe(ex, c)}
     if c.tier == Tier.SNAPSHOT:
-        snapshot_preflight(ex, w)
         estimate = sum(procfs.rss_bytes(p.pid, ex.proc) for p in w.procs)
         ok, why = ex.images.room_for(estimate)
         if not ok:
@@ -121,7 +126,10 @@ async def dump(ex: Executor, c: StepCall) -> None:
     root = w.worker_root
     if root is None:
         raise StepFailure(Reason.DUMP_FAILED, "the entrypoint reports no worker pid")
-    rings = W.io_uring_holders(w, ex.proc)
+    try:
+        rings = await asyncio.to_thread(W.io_uring_holders, w, ex.proc)
+    except procfs.ProcBoundExceeded as e:
+        raise StepFailure(Reason.PROCESS_TOO_LARGE, str(e)) from e
     if rings:
         raise StepFailure(Reason.IO_URING_IN_USE, f"processes holding io_uring (CRIU cannot dump it): {rings}")
     estimate = sum(procfs.rss_bytes(p.pid, ex.proc) for p in w.procs)

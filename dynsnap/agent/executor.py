@@ -103,7 +103,10 @@ class Executor:
     # -- observing --------------------------------------------------------------------------------
 
     async def observe(self, subject: Subject) -> Observation:
-        w = W.locate(subject.uid, container_id=subject.container_id, entrypoint=subject.entrypoint, proc=self.proc)
+        # /proc reads (every process of the node, each of the container's maps and descriptors: bounded by
+        # procfs), off the event loop that also answers the agent's health checks and other pods' reconciles.
+        w = await asyncio.to_thread(W.locate, subject.uid, container_id=subject.container_id,
+                                    entrypoint=subject.entrypoint, proc=self.proc)
         # While the entrypoint says suspended or snapshotted, the planner's next step is a request to
         # the entrypoint whatever the driver says (plan.py; tests/unit/test_agent_plan.py holds it to
         # that), so the driver is not asked: no helper process per GPU process on every look at a

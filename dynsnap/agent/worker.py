@@ -61,6 +61,12 @@ class WorkerNotFound(LookupError):
     """No process of this pod runs on this node."""
 
 
+class ProcessTooLarge(C.ContainerRefused):
+    """A process of the container has more mappings or descriptors than the agent reads (procfs bounds)."""
+
+    reason = P.Reason.PROCESS_TOO_LARGE
+
+
 class NotUnderEntrypoint(LookupError):
     """The pod's container does not run dynsnap-entrypoint as its PID 1."""
 
@@ -216,7 +222,10 @@ def locate(uid: PodUID, *, container_id: str | None = None, entrypoint: HostPid 
     except C.ContainerRefused as e:
         raise type(e)(f"pod {uid}: {e}") from e
     procs = tuple(st for st in procfs.in_pid_ns(ns, proc) if st.pid != ep and st.state not in ("Z", "X"))
-    gpu = tuple(st.pid for st in procs if is_gpu_process(st.pid, proc))
+    try:
+        gpu = tuple(st.pid for st in procs if is_gpu_process(st.pid, proc))
+    except procfs.ProcBoundExceeded as e:
+        raise ProcessTooLarge(f"pod {uid}: {e}") from e
     gpu_start = {p: t for p in gpu if (t := procfs.start_time(p, proc)) is not None}
     return WorkerProcs(pod_uid=uid, entrypoint=ep, pidns=ns, control_dir=control_dir, info=info, procs=procs,
                        gpu=gpu, root=root, entrypoint_start=started, gpu_start=gpu_start, proc=proc)

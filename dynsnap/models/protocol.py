@@ -195,6 +195,7 @@ class Reason(StrEnum):
     IO_URING_IN_USE = "IoUringInUse"
     GPU_PROCESS_OUTSIDE_TREE = "GpuProcessOutsideTree"
     CAPABILITIES_BEYOND_AGENT = "CapabilitiesBeyondAgent"
+    PROCESS_TOO_LARGE = "ProcessTooLarge"
     DISK_BUDGET_EXCEEDED = "DiskBudgetExceeded"
     ENGINE_ROUTES_MISSING = "EngineRoutesMissing"
     PIDS_IN_USE = "PidsInUse"

@@ -185,6 +185,14 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "Drop the capability from the worker container, or add it to the agent's (`agent.extraCapabilities` "
         "in the chart; docs/install.md says which it holds and why). Or use tier suspend, which restores no "
         "credentials."),
+    Reason.PROCESS_TOO_LARGE: ReasonDoc(
+        REFUSED, "refusal", "`Accepted=False` while it lasts (at the look), or `Degraded=True` at a step; any tier",
+        "A process of the worker's container maps more than the agent reads of `/proc/<pid>/maps` (16 MiB, about "
+        "100,000 mappings) or holds more than 65,536 descriptors. The agent reads neither further (a pod could "
+        "otherwise make every look at the node cost seconds and memory) and touches nothing of the worker, "
+        "which keeps serving; it looks again every minute.",
+        "Find the process the message names (a leak of mappings or descriptors, or a deliberate one). A worker "
+        "this large cannot be captured by dynsnap; leave the component out, or end the process."),
     Reason.DISK_BUDGET_EXCEEDED: ReasonDoc(
         REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
         "The capture's estimate (the worker's resident memory) would pass the node's image budget "

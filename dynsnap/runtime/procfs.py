@@ -286,9 +286,28 @@ def host_pid_of(ns_pid: int, *, ns_inode: int, proc: Path = PROC) -> HostPid | N
     return None
 
 
+# What the agent reads of one process's mappings and descriptors. A worker maps a few thousand files and holds
+# a few thousand descriptors; a pod can make a process with hundreds of thousands of either (long paths,
+# dup'ed descriptors), and reading them all would cost the agent seconds and memory on every look.
+MAPS_READ_BOUND = 16 << 20  # bytes of /proc/<pid>/maps: about 100,000 mappings of 160-byte lines
+FD_COUNT_BOUND = 1 << 16  # entries of /proc/<pid>/fd
+
+
+class ProcBoundExceeded(Exception):
+    """A process's ``/proc`` entry is larger than the agent reads (MAPS_READ_BOUND, FD_COUNT_BOUND)."""
+
+
 def maps_paths(pid: int, proc: Path = PROC) -> set[str]:
-    """Paths of the files the process maps (libraries, device files)."""
-    text = _read(proc / str(pid) / "maps") or ""
+    """Paths of the files the process maps (libraries, device files); ProcBoundExceeded past MAPS_READ_BOUND."""
+    try:
+        with open(proc / str(pid) / "maps", "rb") as f:
+            raw = f.read(MAPS_READ_BOUND + 1)
+    except OSError:
+        raw = b""
+    if len(raw) > MAPS_READ_BOUND:
+        raise ProcBoundExceeded(f"process {pid} maps more than the {MAPS_READ_BOUND} bytes of /proc/{pid}/maps "
+                                "the agent reads")
+    text = raw.decode(errors="replace")
     out = set()
     for line in text.splitlines():
         parts = line.split(None, 5)
@@ -298,9 +317,17 @@ def maps_paths(pid: int, proc: Path = PROC) -> set[str]:
 
 
 def fd_targets(pid: int, proc: Path = PROC) -> list[str]:
+    """What each descriptor of the process names; ProcBoundExceeded past FD_COUNT_BOUND descriptors (counted
+    before any is read)."""
     out = []
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(proc / str(pid) / "fd"):
+    with contextlib.suppress(OSError), os.scandir(proc / str(pid) / "fd") as it:
+        names: list[str] = []
+        for entry in it:
+            if len(names) == FD_COUNT_BOUND:
+                raise ProcBoundExceeded(f"process {pid} holds more than the {FD_COUNT_BOUND} descriptors the "
+                                        "agent reads")
+            names.append(entry.name)
+        for fd in names:
             with contextlib.suppress(OSError):
                 out.append(os.readlink(proc / str(pid) / "fd" / fd))
     return out
