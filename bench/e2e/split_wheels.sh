@@ -8,7 +8,7 @@
 #     little else), installed here with `pip install --no-deps --target` for python 3.12 (nothing is
 #     compiled: wheels only) and packed as one xz'd tar of that site-packages directory. xz takes the
 #     75 MB runtime wheel to ~47 MB and the whole set from ~143 MB to ~95 MB: two parts, not three.
-#   - the agent's own dependencies (pydantic and its four, cp312 wheels, as .device/wheels is for
+#   - the agent's own dependencies (.device/wheels, made by bench/gpu/pack_wheels.sh, as for
 #     bench/gpu/agent_h200.sh), installed on the device with `pip install --no-deps --target`;
 #   - the tokenizer-only model directory ($DYNSNAP_MODEL_DIR, ~0.7 MB) the frontend tokenizes with.
 #
@@ -24,7 +24,6 @@ PART_MIB=${PART_MIB:-55}
 DEST=.device/e2e
 CACHE=${E2E_WHEEL_CACHE:-$HOME/.cache/dynsnap/e2e-wheels-cp312-$DYNAMO_VERSION}
 PIP=${DYNSNAP_DYNAMO_VENV:?export ./run env first}/bin/pip
-DEVPIP=${DYNSNAP_VENV:?export ./run env first}/bin/pip
 MODEL=${DYNSNAP_MODEL_DIR:?export ./run env first}
 TARGET=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
@@ -40,14 +39,14 @@ key=$(sha256sum "$reqs" | cut -c1-16)
 if [[ "$(cat "$CACHE/.complete" 2>/dev/null)" != "$key" ]]; then
   rm -rf "$CACHE"; mkdir -p "$CACHE/dynamo" "$CACHE/agent"
   "$PIP" download -q --progress-bar off --no-deps "${TARGET[@]}" -d "$CACHE/dynamo" -r "$reqs"
-  # The agent's: the dev venv's own versions of pydantic and what it needs.
-  "$DEVPIP" freeze 2>/dev/null | grep -iE '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]extensions|typing[-_]inspection)==' \
-    >"$CACHE/agent.txt"
-  "$PIP" download -q --progress-bar off --no-deps "${TARGET[@]}" -d "$CACHE/agent" -r "$CACHE/agent.txt"
   echo "$key" >"$CACHE/.complete"
 fi
+# The agent's: what `dynsnap agent` imports, as bench/gpu/pack_wheels.sh packs it for bench/gpu/agent_h200.sh
+# (pyproject.toml's pins; before 2026-12-07 this list was pydantic's alone, and the agent, which imports
+# tenacity, httpx and prometheus-client too, could not start there).
+bench/gpu/pack_wheels.sh >/dev/null
 echo "wheels: $(find "$CACHE/dynamo" -name '*.whl' | wc -l) for Dynamo ($(du -sh "$CACHE/dynamo" | cut -f1)), \
-$(find "$CACHE/agent" -name '*.whl' | wc -l) for the agent ($(du -sh "$CACHE/agent" | cut -f1))"
+$(find .device/wheels -name '*.whl' | wc -l) for the agent ($(du -sh .device/wheels | cut -f1))"
 
 # 2. Dynamo's site-packages for python 3.12, packed (also kept: only a new key repacks).
 pack="$CACHE/e2e-py.tar.xz"
@@ -70,7 +69,7 @@ done
 rmdir "$DEST/chunks"
 (cd "$CACHE" && sha256sum e2e-py.tar.xz) >"$DEST/part$n/SHA256SUMS"
 mkdir -p "$DEST/part$n/agent-wheels" "$DEST/part$n/model-tiny"
-cp "$CACHE"/agent/*.whl "$DEST/part$n/agent-wheels/"
+cp .device/wheels/*.whl "$DEST/part$n/agent-wheels/"
 cp "$MODEL"/*.json "$DEST/part$n/model-tiny/"
 
 # 4. Sizes against the call's limit, and the device calls.
