@@ -435,6 +435,11 @@ MUTATIONS = (
         "            if len(names) == FD_COUNT_BOUND:\n", "            if False:\n",
         tests=["tests/unit/test_procfs_bounds.py::test_descriptors_past_the_bound_are_refused_before_any_is_read"]),
     mutation(
+        "metrics-bound-said-every-scrape", "a worker whose metrics pass a bound is said at every scrape", NODE,
+        "            if e.cause in (\"deadline\", \"size\") and self._unbounded.get(ws.key) != e.cause:\n",
+        "            if e.cause in (\"deadline\", \"size\"):\n",
+        tests=["tests/unit/test_bounded_http.py::test_a_worker_whose_metrics_pass_a_bound_is_said_once_per_episode"]),
+    mutation(
         "reconcile-unbounded", "a reconcile that never returns holds its worker for good (the bound ignored)",
         "dynsnap/runtime/workqueue.py", "                async with asyncio.timeout(timeout):\n",
         "                async with asyncio.timeout(None):\n",

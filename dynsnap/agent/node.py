@@ -93,6 +93,8 @@ class NodeAgent:
     # key -> when a request was seen reaching the worker while it slept routable (wake on request): the
     # reconcile wakes it; dropped once its wake is on record (its trigger says it from then on)
     _requests: dict[str, float] = field(default_factory=dict)
+    # key -> the bound (deadline, size) the worker's last metrics answer passed: said once per episode
+    _unbounded: dict[str, str] = field(default_factory=dict)
     # served on the health port's /metrics (main.py passes its render to the health server)
     metrics: Metrics = field(default_factory=Metrics)
     reporter: Reporter = field(init=False)
@@ -184,6 +186,7 @@ class NodeAgent:
     async def reconcile(self, key: str) -> float | None:
         read = await self._read(key)
         if read is None:
+            self._unbounded.pop(key, None)
             return None
         ws, pod = read
         verdict = admit(ws, pod, node=self.settings.node_name)
@@ -354,7 +357,13 @@ class NodeAgent:
             sample = await I.scrape(f"http://{ip}:{self.settings.metrics_port}/metrics")
         except I.MetricsUnavailable as e:
             log.debug("%s: %s", ws.key, e)
+            if e.cause in ("deadline", "size") and self._unbounded.get(ws.key) != e.cause:
+                # once per episode: a worker whose answers trickle or swell, said, its idle facts left as
+                # they were (a capture still asks its in-flight count first, and is refused without one)
+                self._unbounded[ws.key] = e.cause
+                await self._event(ws, "Warning", Reason.METRICS_OUT_OF_BOUNDS, str(e))
             return self.settings.scrape_interval
+        self._unbounded.pop(ws.key, None)
         facts = I.advance(status.idle, sample, now=utcnow(), granularity=self.settings.activity_granularity)
         if facts is not None:
             status.idle = facts

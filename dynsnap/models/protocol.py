@@ -196,6 +196,7 @@ class Reason(StrEnum):
     GPU_PROCESS_OUTSIDE_TREE = "GpuProcessOutsideTree"
     CAPABILITIES_BEYOND_AGENT = "CapabilitiesBeyondAgent"
     PROCESS_TOO_LARGE = "ProcessTooLarge"
+    METRICS_OUT_OF_BOUNDS = "MetricsOutOfBounds"
     DISK_BUDGET_EXCEEDED = "DiskBudgetExceeded"
     ENGINE_ROUTES_MISSING = "EngineRoutesMissing"
     PIDS_IN_USE = "PidsInUse"

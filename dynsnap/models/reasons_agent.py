@@ -193,6 +193,14 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "which keeps serving; it looks again every minute.",
         "Find the process the message names (a leak of mappings or descriptors, or a deliberate one). A worker "
         "this large cannot be captured by dynsnap; leave the component out, or end the process."),
+    Reason.METRICS_OUT_OF_BOUNDS: ReasonDoc(
+        REFUSED, "refusal", "Warning Event on the WorkerSnapshot (agent), once per episode; any tier",
+        "The worker's `/metrics` answer did not come whole within the agent's bound (3 s) or passed its size cap "
+        "(4 MiB). The agent bounds every exchange with what a pod runs (dynsnap/runtime/bounded_http.py), so such "
+        "a worker costs it one bounded look per scrape and delays no other worker; its idle facts stay as they "
+        "were, and a capture, which asks the in-flight count first, is refused (`WorkerServing`) until it answers.",
+        "Look at what serves the worker's system port (Dynamo's metrics are tens of KiB, answered in "
+        "milliseconds); the Event is said again only after an answer within the bounds."),
     Reason.DISK_BUDGET_EXCEEDED: ReasonDoc(
         REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
         "The capture's estimate (the worker's resident memory) would pass the node's image budget "

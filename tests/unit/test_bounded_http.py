@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -210,3 +212,40 @@ async def test_a_pinned_answer_that_trickles_or_swells_ends_within_the_bounds() 
         assert a.status == 0 and f"{ANSWER_MAX_BYTES} bytes" in a.error
     finally:
         await fe.close()
+
+
+async def test_a_worker_whose_metrics_pass_a_bound_is_said_once_per_episode() -> None:
+    """The agent's idle scrape (NodeAgent._idle) of a worker whose /metrics trickles: a Warning
+    MetricsOutOfBounds once, not at every scrape; an answer within the bounds ends the episode, and the next
+    one is said again. The worker's idle facts are left as they were."""
+    from dynsnap.agent.node import NodeAgent
+    from dynsnap.agent.settings import AgentSettings
+    from dynsnap.models.protocol import ObservedState
+    from dynsnap.models.workersnapshot import WorkerSnapshot
+
+    said: list[tuple[str, str]] = []
+
+    class Events:
+        async def record(self, obj: object, *, type: str, reason: str, action: str, note: str) -> None:
+            said.append((type, reason))
+
+    ws = WorkerSnapshot.model_validate({
+        "apiVersion": "dynsnap.io/v1alpha1", "kind": "WorkerSnapshot",
+        "metadata": {"name": "w-0", "namespace": "ns", "uid": "x", "generation": 1},
+        "spec": {"podName": "w-0", "podUID": "11111111-2222-3333-4444-555555555555", "desiredState": "Active",
+                 "tier": "suspend"}})
+    obs = SimpleNamespace(state=ObservedState.ACTIVE)
+    async with serve(trickle) as bad, serve(metrics) as good:
+        agent = NodeAgent(kube=cast(Any, SimpleNamespace(on_request=1)), executor=cast(Any, None), events=Events(),
+                          settings=AgentSettings(node_name="n", metrics_port=bad.port))
+        status = ws.status.model_copy(deep=True)
+        pod = {"status": {"podIP": "127.0.0.1"}}
+        for _ in range(3):
+            await agent._idle(ws, status, pod, cast(Any, obs))
+        assert said == [("Warning", "MetricsOutOfBounds")] and status.idle is None
+        agent.settings = AgentSettings(node_name="n", metrics_port=good.port)
+        await agent._idle(ws, status, pod, cast(Any, obs))
+        assert status.idle is not None and status.idle.inflight == 1
+        agent.settings = AgentSettings(node_name="n", metrics_port=bad.port)
+        await agent._idle(ws, status, pod, cast(Any, obs))
+        assert said == [("Warning", "MetricsOutOfBounds")] * 2
