@@ -440,6 +440,11 @@ MUTATIONS = (
         "            if e.cause in (\"deadline\", \"size\"):\n",
         tests=["tests/unit/test_bounded_http.py::test_a_worker_whose_metrics_pass_a_bound_is_said_once_per_episode"]),
     mutation(
+        "gate-written-by-name-only", "the controller's serving gate is written to whichever pod has the name",
+        "dynsnap/controller/writes.py", "        if meta.get(\"uid\"):\n            ident[\"uid\"] = meta[\"uid\"]\n",
+        "        if False:\n            ident[\"uid\"] = meta[\"uid\"]\n",
+        tests=["tests/integration/test_controller_gate_uid.py"]),
+    mutation(
         "reconcile-unbounded", "a reconcile that never returns holds its worker for good (the bound ignored)",
         "dynsnap/runtime/workqueue.py", "                async with asyncio.timeout(timeout):\n",
         "                async with asyncio.timeout(None):\n",
