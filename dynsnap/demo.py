@@ -3,11 +3,12 @@
 Brings up the real control plane (etcd, kube-apiserver, kube-controller-manager) and a real node
 (kubelet, containerd, runc, the CNI plugins; dynsnap/testenv/node.py) on its own bridge, imports the
 local images into the node's containerd and installs dynsnap as a user would, ``helm install`` of
-deploy/helm/dynsnap (the controller Deployment and the privileged agent DaemonSet, as pods of that
-node, under the chart's RBAC). Then it only applies examples/dgd/agg.yaml under the local overlay
-(real_graph.py: local images, Dynamo's mocker on CPU; here three workers and the demo's policy:
-``idle-after: 4s``, ``min-active: 1``) and a load generator, and narrates what the controller and
-the agent do on their own, read from WorkerSnapshot status, Events and the kubelet's pod status:
+deploy/helm/dynsnap (the controller Deployment and the agent DaemonSet, root in the host's pid namespace
+with CRIU's capabilities, as pods of that node, under the chart's RBAC). Then it only applies
+examples/dgd/agg.yaml under the local overlay (real_graph.py: local images, Dynamo's mocker on CPU; here
+three workers and the demo's policy: ``idle-after: 4s``, ``min-active: 1``) and a load generator, and
+narrates what the controller and the agent do on their own, read from WorkerSnapshot status, Events and
+the kubelet's pod status:
 
 1. the workers go idle and are captured down to one (quiesce: serving gate False, endpoint not
    ready, frontend no longer routing, nothing in flight; then the agent's capture steps);
