@@ -102,7 +102,9 @@ async def watch(sleepers: Callable[[], list[Sleeper]], on_request: Callable[[str
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+    # A connection per sleeper at most, never a pool slot waited for: one sleeper's slow answer holds its own.
+    limits = httpx.Limits(max_connections=MAX_SLEEPERS, max_keepalive_connections=MAX_SLEEPERS)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False, limits=limits) as http:
         def start(s: Sleeper) -> asyncio.Task[None]:
             return asyncio.create_task(look(http, s), name=f"wake-on-request {s.key}")
         try:
