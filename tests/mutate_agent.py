@@ -446,8 +446,8 @@ MUTATIONS = (
         tests=["tests/integration/test_controller_gate_uid.py"]),
     mutation(
         "reconcile-unbounded", "a reconcile that never returns holds its worker for good (the bound ignored)",
-        "dynsnap/runtime/workqueue.py", "                async with asyncio.timeout(timeout):\n",
-        "                async with asyncio.timeout(None):\n",
+        "dynsnap/runtime/workqueue.py", "            bound = asyncio.timeout(timeout)\n",
+        "            bound = asyncio.timeout(None)\n",
         tests=["tests/unit/test_workqueue.py::test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again"]),
     mutation(
         "queue-not-shut-on-stop", "a stopping agent cancels its workers without shutting its queue down first: a "

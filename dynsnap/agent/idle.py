@@ -52,15 +52,12 @@ def parse_metrics(text: str) -> Sample:
 METRICS_MAX_BYTES = 4 << 20
 
 
-async def scrape(url: str, *, timeout: float = 3.0, http: httpx.AsyncClient | None = None) -> Sample:
+async def scrape(url: str, *, timeout: float = 3.0) -> Sample:
     """The worker's sample, the whole GET within ``timeout`` and its page at most METRICS_MAX_BYTES
     (runtime.bounded_http); MetricsUnavailable otherwise, naming which bound it passed."""
     try:
-        if http is not None:
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
             r = await exchange(http, "GET", url, deadline=timeout, max_bytes=METRICS_MAX_BYTES)
-        else:
-            async with httpx.AsyncClient(timeout=timeout, trust_env=False) as own:
-                r = await exchange(own, "GET", url, deadline=timeout, max_bytes=METRICS_MAX_BYTES)
     except ExchangeError as e:
         raise MetricsUnavailable(f"cannot read {url}: {e}", cause=e.cause) from e
     if r.status != 200:

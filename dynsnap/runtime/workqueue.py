@@ -148,18 +148,18 @@ async def run_workers(queue: WorkQueue[K], reconcile: Reconcile[K], *, workers: 
                 key = await queue.get()
             except ShutDown:
                 return
+            bound = asyncio.timeout(timeout)
             try:
                 queue.stats.reconciles += 1
-                async with asyncio.timeout(timeout):
+                async with bound:
                     again = await reconcile(key)
-            except TimeoutError:
-                queue.stats.errors += 1
-                delay = queue.add_rate_limited(key)
-                log.warning("%s %s: not done within %g s, cancelled; again in %.2f s", name, key, timeout, delay)
             except Exception:
                 queue.stats.errors += 1
                 delay = queue.add_rate_limited(key)
-                log.exception("%s %s failed; again in %.2f s", name, key, delay)
+                if bound.expired():  # this bound, not a TimeoutError of the reconcile's own
+                    log.warning("%s %s: not done within %g s, cancelled; again in %.2f s", name, key, timeout, delay)
+                else:
+                    log.exception("%s %s failed; again in %.2f s", name, key, delay)
             else:
                 queue.forget(key)
                 if again is not None:

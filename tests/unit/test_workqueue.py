@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from dynsnap.runtime.workqueue import WorkQueue, run_workers
 
 
@@ -110,3 +112,24 @@ async def test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again(
     q.add("other")
     await asyncio.wait_for(run_workers(q, reconcile, workers=1, timeout=0.2), timeout=30)
     assert cancelled == ["stuck"] and done == ["other", "stuck"] and q.stats.errors == 1
+
+
+async def test_a_timeout_of_the_reconciles_own_is_a_failure_not_the_bound(caplog: pytest.LogCaptureFixture) -> None:
+    """A reconcile that raises TimeoutError itself (a wait of its own ran out), with no bound set (the agent's
+    queue): counted and logged as a failure with its traceback, never as the bound expiring."""
+    q: WorkQueue[str] = WorkQueue()
+    calls: list[str] = []
+
+    async def reconcile(key: str) -> float | None:
+        calls.append(key)
+        if len(calls) == 1:
+            raise TimeoutError("its own wait")
+        q.shutdown()
+        return None
+
+    q.add("a")
+    await asyncio.wait_for(run_workers(q, reconcile, workers=1, name="agent"), timeout=30)
+    assert calls == ["a", "a"] and q.stats.errors == 1
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert len(said) == 1 and said[0][0] == "ERROR" and said[0][1].startswith("agent a failed; again in"), said
+    assert caplog.records[-1].exc_info is not None and "its own wait" in str(caplog.records[-1].exc_info[1])
