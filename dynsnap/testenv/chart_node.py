@@ -31,7 +31,7 @@ from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import NotFound
 from dynsnap.models import resources as R
 from dynsnap.testenv import dynamo as D
-from dynsnap.testenv import real_graph, stub_gpu_stack
+from dynsnap.testenv import node_restart, real_graph, stub_gpu_stack
 from dynsnap.testenv.cluster import LocalCluster, wait_for
 from dynsnap.testenv.dynsnap_parts import ROOT, StubDriver, build_stub_driver
 from dynsnap.testenv.node import REAL_NODE_LABEL, RealNode, image_stores, real_node_cidr
@@ -165,7 +165,7 @@ class Env:
         return ", ".join(f"{f.name} {f.stat().st_size} B" for f in self.log_files(namespace, name, container)) \
             or "none"
 
-    async def dump_logs(self) -> str:
+    async def dump_logs(self, *, tail: int = 80) -> str:
         out = []
         for comp, container in (("controller", "controller"), ("agent", "agent")):
             for p in await self.chart_pods(comp):
@@ -175,7 +175,7 @@ class Env:
                 if restarts:  # the run before the restart is most often the one that tells why
                     out.append(f"--- {name} (previous run; {restarts} restart(s)) ---\n"
                                + await self.pod_log(NS, name, container, previous=True))
-                out.append(f"--- {name} ---\n" + await self.pod_log(NS, name, container))
+                out.append(f"--- {name} ---\n" + await self.pod_log(NS, name, container, tail=tail))
         return "\n".join(out)
 
 
@@ -198,6 +198,12 @@ async def graph_logs(env: Env, graph: real_graph.Graph, *, tail: int = 60) -> st
 async def upgrade(env: Env, values: Obj) -> None:
     """``helm upgrade`` of the installed release to ``values`` (the user's next chart values)."""
     await _install(env, values, upgrade=True)
+
+
+def containers_ready(pod: Obj) -> bool:
+    """The pod's ContainersReady condition is True (kubelet's account of its probes, gates aside)."""
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "ContainersReady" and c["status"] == "True" for c in conds)
 
 
 def pod_ready(pod: Obj) -> bool:
@@ -260,24 +266,121 @@ async def deploy_example(env: Env, body: Obj, *, timeout: float = 240, ready: bo
     return graph
 
 
+# kubelet v1.34's status race (kubernetes/kubernetes#139244, #138889): a readiness result that lands while
+# the pod worker writes the pod's status can be lost, and the pod's status says the container not ready
+# (ContainersReady False, whatever its gates say) for good while kubelet's prober says ready. Seen once in
+# CI at a worker's start (test_apiserver_restart.py, 2026-12-08: ContainersReady False for 240 s, the
+# serving gate True). After this long with kubelet's own log saying ready, the deploy's wait restarts
+# kubelet once (what a node's operator would do; its probes start afresh) and says so.
+KUBELET_STUCK_AFTER = 90.0
+
+
+def kubelet_says_ready(env: Env, namespace: str, name: str) -> bool:
+    """kubelet's own last word on the pod's readiness probe, in its log, is ``ready``."""
+    last = ""
+    mark = f'pod="{namespace}/{name}"'
+    with contextlib.suppress(OSError):
+        for line in (env.node.layout.logs / "kubelet.log").read_text(errors="replace").splitlines():
+            if 'probe="readiness"' in line and mark in line:
+                last = line
+    return 'status="ready"' in last
+
+
 async def wait_graph_ready(env: Env, graph: real_graph.Graph, *, timeout: float = 240) -> None:
     """Every pod of ``graph`` Ready and its frontend (``env.fe``) listing the model; on timeout, why each
-    pod is not (its containers' states and conditions, its log, the stand-in driver's states)."""
+    pod is not (its containers' states and conditions, kubelet's Events of it, its log, the stand-in
+    driver's states). A pod that kubelet's prober says ready while its status does not, past
+    KUBELET_STUCK_AFTER, has kubelet restarted once (kubelet's race, above), loudly."""
     pods = [p for ps in graph.pods.values() for p in ps]
+
+    async def all_ready(within: float) -> None:
+        await asyncio.gather(*(env.cluster.wait_ready(p.namespace, p.name, timeout=within) for p in pods))
     try:
-        await asyncio.gather(*(env.cluster.wait_ready(p.namespace, p.name, timeout=timeout) for p in pods))
+        try:
+            await all_ready(min(timeout, KUBELET_STUCK_AFTER))
+        except TimeoutError:
+            if timeout <= KUBELET_STUCK_AFTER:
+                raise
+            stuck = [p.name for p in pods if not containers_ready(await env.api.get(R.PODS, p.name,
+                                                                                    namespace=p.namespace))
+                     and kubelet_says_ready(env, p.namespace, p.name)]
+            if not stuck:
+                await all_ready(timeout - KUBELET_STUCK_AFTER)
+            else:
+                print(f"KUBELET RACE: kubelet's prober says {stuck} ready, their status not, after "
+                      f"{KUBELET_STUCK_AFTER:.0f} s (kubernetes/kubernetes#139244): restarting kubelet")
+                await node_restart.restart_kubelet(env.node)
+                await all_ready(timeout - KUBELET_STUCK_AFTER)
     except TimeoutError:
         for p in pods:
-            st = (await env.api.get(R.PODS, p.name, namespace=p.namespace))["status"]
+            pod = await env.api.get(R.PODS, p.name, namespace=p.namespace)
+            st = pod["status"]
             print(p.name, [(c["name"], c["state"]) for c in st.get("initContainerStatuses") or []],
                   [(c["name"], c["state"], c["restartCount"]) for c in st.get("containerStatuses") or []],
                   st.get("conditions"))
-            if not pod_ready({"status": st}):  # why it is not Ready: its own log, and the stand-in driver's
-                print(f"--- {p.name} main ---\n" + await env.pod_log(p.namespace, p.name, "main", tail=60))
+            if not pod_ready({"status": st}):  # why it is not Ready: what kubelet and the worker say
+                print(await why_not_ready(env, pod))
         print("stub driver states (nskey -> state):", env.driver.states())
+        print(await env.dump_logs(tail=400))  # the chart's controller and agent: why no gate, no WorkerSnapshot
         raise
     assert env.fe is not None
     await env.fe.wait_model(timeout=120)
+
+
+def collapsed(text: str, *, head: int = 40) -> str:
+    """The first ``head`` lines of ``text`` with runs of the same line (timestamps aside) told once with
+    their count: a log that repeats one line every 100 ms still shows what came before it."""
+    out: list[str] = []
+    last, run = "", 0
+    for line in text.splitlines():
+        key = line.split(" ", 1)[-1]
+        if key == last:
+            run += 1
+            continue
+        if run:
+            out.append(f"    (the line above {run} more times)")
+        out.append(line)
+        last, run = key, 0
+        if len(out) >= head:
+            break
+    if run:
+        out.append(f"    (the line above {run} more times)")
+    return "\n".join(out)
+
+
+async def why_not_ready(env: Env, pod: Obj) -> str:
+    """Why a pod is not Ready, for a test's failure: kubelet's Events of it (the probes' failures), the
+    head of its worker's log (collapsed) and its tail, and the worker's own ``/health`` answer on its
+    system port (Dynamo says there which endpoint is not ready)."""
+    namespace, name, ip = pod["metadata"]["namespace"], pod["metadata"]["name"], pod["status"].get("podIP")
+    port = next((e.get("value") for c in pod["spec"]["containers"] for e in c.get("env") or []
+                 if e["name"] == "DYN_SYSTEM_PORT"), None)
+    lines = [f"--- {name}: why not Ready ---"]
+    with contextlib.suppress(Exception):  # dynsnap's own account of the worker, when it has one
+        ws = await env.api.get(R.WORKER_SNAPSHOTS, name, namespace=namespace)
+        st = ws.get("status") or {}
+        lines.append(f"WorkerSnapshot: spec {ws.get('spec')}; state {st.get('state')}; " + "; ".join(
+            f"{c.get('type')}={c.get('status')} {c.get('reason')}: {c.get('message')}"
+            for c in st.get("conditions") or []) + f"; controller {st.get('controller')}")
+    with contextlib.suppress(Exception):
+        evs = (await env.api.list(R.EVENTS, namespace=namespace,
+                                  field_selector=f"regarding.name={name}"))["items"]
+        lines += [f"event {e.get('reason')} x{(e.get('deprecatedCount') or 1)}: {e.get('note')}" for e in evs]
+    with contextlib.suppress(OSError):
+        mark = f'pod="{namespace}/{name}"'
+        said = [x for x in (env.node.layout.logs / "kubelet.log").read_text(errors="replace").splitlines()
+                if mark in x and ("probe" in x or "status" in x.lower())]
+        lines += ["kubelet's log of it (probes, status):", *said[-12:]]
+    log = await env.pod_log(namespace, name, "main", tail=1_000_000)
+    lines += ["log head:", collapsed(log), "log tail:", "\n".join(log.splitlines()[-20:])]
+    if ip and port:
+        try:
+            async with httpx.AsyncClient(timeout=3) as http:
+                r = await http.get(f"http://{ip}:{port}/health")
+            lines.append(f"the worker's /health: {r.status_code} {r.text[:400]}")
+        except httpx.HTTPError as e:
+            lines.append(f"the worker's /health: no answer ({e!r})")
+    return "\n".join(lines)
 
 
 async def start(cluster: LocalCluster, work_root: Path, *, name: str = NODE, gpus: int = 2,

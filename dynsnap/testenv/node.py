@@ -299,7 +299,9 @@ class RealNode:
                 "/bin/sh", "-c", conf.KUBELET_NS_SCRIPT, "kubelet-mount-ns", str(lay.shadow),
                 str(bins.kubelet), f"--config={lay.kubelet_config}", f"--kubeconfig={lay.kubelet_kubeconfig}",
                 f"--root-dir={lay.kubelet_root}", f"--cert-dir={lay.pki}", f"--hostname-override={self.name}",
-                f"--node-ip={self.node_ip}", "--v=2"]
+                # status_manager at 3: each status patch kubelet sends, so a pod whose status lags its
+                # probes (chart_node.KUBELET_STUCK_AFTER) can be read in the log
+                f"--node-ip={self.node_ip}", "--v=2", "--vmodule=status_manager=3"]
 
     def ctr_argv(self, *args: str) -> list[str]:
         """``ctr`` against this node's containerd, in the CRI's namespace."""

@@ -78,3 +78,11 @@ def test_instance_id_is_the_generate_endpoint_of_the_dwm() -> None:
     assert instance_id_from_dwm(dwm) == 42
     with pytest.raises(ValueError):
         instance_id_from_dwm({"metadata": {"name": "w"}, "spec": {"data": {}}})
+
+
+def test_a_log_that_repeats_one_line_is_told_once_with_its_count() -> None:
+    from dynsnap.testenv.chart_node import collapsed
+    log = "\n".join(["t0 starting", *(f"t{i} list returning 0 instances" for i in range(1, 50)), "t50 ready"])
+    assert collapsed(log).splitlines() == ["t0 starting", "t1 list returning 0 instances",
+                                           "    (the line above 48 more times)", "t50 ready"]
+    assert len(collapsed("\n".join(f"t line {i}" for i in range(100)), head=5).splitlines()) == 5
