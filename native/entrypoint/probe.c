@@ -9,7 +9,11 @@
  * nothing, or a worker that does not answer, costs the loop nothing but a slot: state requests
  * and other probes go on being served. At most PROBE_MAX_CONNS connections are held; when all
  * are taken, the oldest one that has not sent its whole request yet makes room for the new one
- * (a prober sends its request at once, so it is never the one that goes).
+ * (a prober sends its request at once, so it is never the one that goes). One peer address (one
+ * pod, or the node's kubelet) holds at most PROBE_PEER_SHARE of them: a peer past its share makes
+ * room among its own connections or has the new one closed at once, so a flood from another pod,
+ * whole requests or silent connects, leaves kubelet's probes their slots, and the listen backlog
+ * (PROBE_BACKLOG) is drained at every turn, those over their share closed as they come.
  * Calls upstream.c (asking the worker) and common.c; main.c passes the state in.
  */
 #include <errno.h>
@@ -31,7 +35,9 @@
 #define WORKER_TIMEOUT_MS 800
 /* Our answer is a few KiB and fits the socket's buffer; a client that reads nothing gets this. */
 #define ANSWER_TIMEOUT_MS 1000
-#define ACCEPT_BURST 8 /* accepted per turn of the loop, so a flood of connects takes turns too */
+#define ACCEPT_BURST 32 /* accepted per turn of the loop, so a flood of connects takes turns too */
+#define PROBE_BACKLOG 128 /* connects the kernel queues before we accept them */
+#define PROBE_PEER_SHARE (PROBE_MAX_CONNS / 2) /* connections one peer address may hold */
 
 enum phase { FREE, REQUEST, WORKER, ANSWER };
 
@@ -40,6 +46,7 @@ struct conn {
 	int fd;                   /* the client */
 	long long deadline;       /* of the current phase, mono_ms */
 	unsigned long long order; /* accept order: the oldest request gives way first */
+	unsigned char peer[16];   /* the client's address (IPv4 as IPv4-mapped IPv6) */
 	bool head;
 	const char *path;         /* "/live" or "/health" while the worker is asked */
 	size_t len, off;          /* bytes in req or out; sent of out */
@@ -67,7 +74,7 @@ int probe_listen(int port)
 	if (fd >= 0) {
 		setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
 		setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-		if (bind(fd, (struct sockaddr *)&a6, sizeof(a6)) == 0 && listen(fd, 16) == 0)
+		if (bind(fd, (struct sockaddr *)&a6, sizeof(a6)) == 0 && listen(fd, PROBE_BACKLOG) == 0)
 			return lfd = fd;
 		close(fd);
 	}
@@ -75,7 +82,7 @@ int probe_listen(int port)
 	if (fd < 0)
 		return -1;
 	setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-	if (bind(fd, (struct sockaddr *)&a4, sizeof(a4)) != 0 || listen(fd, 16) != 0) {
+	if (bind(fd, (struct sockaddr *)&a4, sizeof(a4)) != 0 || listen(fd, PROBE_BACKLOG) != 0) {
 		int e = errno;
 		close(fd);
 		errno = e;
@@ -262,18 +269,72 @@ static int take_slot(bool evict)
 	return oldest;
 }
 
+/* The peer's address as 16 bytes (an IPv4 one as IPv4-mapped IPv6, as a dual-stack socket gives it). */
+static void peer_key(const struct sockaddr_storage *sa, unsigned char key[16])
+{
+	memset(key, 0, 16);
+	if (sa->ss_family == AF_INET6) {
+		memcpy(key, &((const struct sockaddr_in6 *)sa)->sin6_addr, 16);
+	} else if (sa->ss_family == AF_INET) {
+		key[10] = key[11] = 0xff;
+		memcpy(key + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+	}
+}
+
+/* How many slots the peer holds; its oldest still waiting for its request in *oldest (-1: none). */
+static int peer_slots(const unsigned char key[16], int *oldest)
+{
+	int n = 0;
+
+	*oldest = -1;
+	for (int i = 0; i < PROBE_MAX_CONNS; i++) {
+		struct conn *c = &ps.c[i];
+		if (c->phase == FREE || memcmp(c->peer, key, 16) != 0)
+			continue;
+		n++;
+		if (c->phase == REQUEST && (*oldest < 0 || c->order < ps.c[*oldest].order))
+			*oldest = i;
+	}
+	return n;
+}
+
+/* A slot for a connection from the peer `key`: within its share, a free slot or the oldest waiting
+ * request of anyone (take_slot); past it, only the peer's own oldest waiting request; -1: none. */
+static int slot_for(const unsigned char key[16])
+{
+	int own;
+
+	if (peer_slots(key, &own) < PROBE_PEER_SHARE)
+		return take_slot(true);
+	if (own >= 0)
+		conn_close(&ps.c[own]);
+	return own;
+}
+
 static void accept_some(void)
 {
+	/* Every slot busy with a whole request (each ends by its deadline): the rest waits in the backlog. */
 	for (int i = 0; i < ACCEPT_BURST && take_slot(false) >= 0; i++) {
-		int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		struct sockaddr_storage sa;
+		socklen_t len = sizeof(sa);
+		unsigned char key[16];
 		struct conn *c;
+		int fd = accept4(lfd, (struct sockaddr *)&sa, &len, SOCK_NONBLOCK | SOCK_CLOEXEC), at;
+
 		if (fd < 0)
 			return;
-		c = &ps.c[take_slot(true)];
+		peer_key(&sa, key);
+		at = slot_for(key);
+		if (at < 0) { /* over its share, every one of them a whole request: not held */
+			close(fd);
+			continue;
+		}
+		c = &ps.c[at];
 		c->phase = REQUEST;
 		c->fd = fd;
 		c->up.fd = -1;
 		c->order = ++ps.accepted;
+		memcpy(c->peer, key, 16);
 		c->deadline = mono_ms() + REQUEST_TIMEOUT_MS;
 		c->head = false;
 		c->len = c->off = 0;

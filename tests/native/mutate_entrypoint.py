@@ -70,6 +70,7 @@ B = "tests/native/test_entrypoint_bounds.py::"
 STRICT_JSON = B + "test_the_control_file_is_strict_json_whatever_bytes_its_fields_carry"
 STALLERS = B + "test_slow_probe_clients_delay_neither_state_requests_nor_other_probes"
 CONN_BOUND = B + "test_probe_connections_are_bounded_and_a_prober_still_gets_one"
+PEER_FLOOD = B + "test_one_peers_flood_holds_its_share_and_kubelet_is_answered"
 
 MUTATIONS = (
     mutation(
@@ -300,6 +301,16 @@ MUTATIONS = (
         "\t\tif (ps.c[i].phase == REQUEST && (oldest < 0",
         "\t\tif (0 && ps.c[i].phase == REQUEST && (oldest < 0",
         tests=[CONN_BOUND]),
+    mutation(
+        "probe-no-peer-share", "one peer address may hold every probe connection (issue 39)", PROBE,
+        "\tif (peer_slots(key, &own) < PROBE_PEER_SHARE)",
+        "\tif (peer_slots(key, &own) < PROBE_MAX_CONNS + 1)",
+        tests=[PEER_FLOOD]),
+    mutation(
+        "probe-backlog-small", "the probe port's listen backlog is 16 again (issue 39)", PROBE,
+        "#define PROBE_BACKLOG 128 ",
+        "#define PROBE_BACKLOG 16 ",
+        tests=[PEER_FLOOD]),
     mutation(
         "json-quote-raw", "`\"` copied into a JSON string unescaped", JSON,
         "} else if (s[0] == '\"' || s[0] == '\\\\') {",

@@ -21,6 +21,7 @@ import os
 import select
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -39,6 +40,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for unshar
 FIELD_MAX = 2048
 CONTROL_MAX = 65536
 PROBE_MAX_CONNS = 16
+PROBE_PEER_SHARE = 8  # probe.c: the connections one peer address may hold
+PROBE_BACKLOG = 128  # probe.c: the listen backlog
 KUBELET_PROBE_TIMEOUT = 1.0  # kubelet's default timeoutSeconds
 AGENT_ACK_BOUND = 10.0  # the agent's entrypoint_timeout (dynsnap/agent/settings.py)
 
@@ -153,15 +156,17 @@ class Stallers(threading.Thread):
         self.stop_ = threading.Event()
         self.lock = threading.Lock()
 
-    def _connect(self) -> socket.socket:
-        s = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+    def _connect(self, i: int) -> socket.socket:
+        # each client from an address of its own, as stallers in several pods (one pod holds at most
+        # PROBE_PEER_SHARE: test_one_peers_flood_holds_its_share_and_kubelet_is_answered)
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=30, source_address=(f"127.0.1.{1 + i}", 0))
         s.setblocking(False)
         with self.lock:
             self.connected += 1
         return s
 
     def run(self) -> None:
-        socks = {self._connect(): [i, 0] for i in range(len(self.kinds))}  # socket: [client, bytes sent]
+        socks = {self._connect(i): [i, 0] for i in range(len(self.kinds))}  # socket: [client, bytes sent]
         made = [1] * len(self.kinds)
         deadline, next_byte = time.monotonic() + self.lifetime, time.monotonic()
         while not self.stop_.is_set() and time.monotonic() < deadline and socks:
@@ -182,7 +187,7 @@ class Stallers(threading.Thread):
                 s.close()
                 if made[i] < self.per_client:
                     made[i] += 1
-                    socks[self._connect()] = [i, 0]
+                    socks[self._connect(i)] = [i, 0]
         for s in socks:
             s.close()
 
@@ -245,8 +250,9 @@ def test_probe_connections_are_bounded_and_a_prober_still_gets_one(sandbox: Call
     held: list[int] = []
     idle: list[socket.socket] = []
     try:
-        for _ in range(2 * PROBE_MAX_CONNS):  # twice as many silent connections as it may hold
-            idle.append(socket.create_connection(("127.0.0.1", sb.probe_port), timeout=5))
+        for i in range(2 * PROBE_MAX_CONNS):  # twice as many silent connections as it may hold, from 4 peers
+            idle.append(socket.create_connection(("127.0.0.1", sb.probe_port), timeout=5,
+                                                 source_address=(f"127.0.2.{1 + i // PROBE_PEER_SHARE}", 0)))
             held.append(socket_fds(sb.pid1) - 1)  # its sockets but the listening one
         for _ in range(10):  # and while the last ones are taken in
             time.sleep(0.02)
@@ -261,3 +267,51 @@ def test_probe_connections_are_bounded_and_a_prober_still_gets_one(sandbox: Call
     finally:
         for s in idle:
             s.close()
+
+
+def test_one_peers_flood_holds_its_share_and_kubelet_is_answered(sandbox: Callable[..., Sandbox]) -> None:
+    """One pod floods the probe port (its own address): 3x the bound of silent connections, then whole
+    requests on new connections as fast as they are answered. It holds at most PROBE_PEER_SHARE of the
+    entrypoint's connections at any look (the rest are closed at once or make room among its own), the
+    listen backlog is PROBE_BACKLOG, and every probe of kubelet (another address) is answered in its
+    timeout all along."""
+    sb = sandbox(["serve"])
+    sb.wait_up()
+    listening = subprocess.run(["ss", "-ltnH", f"sport = :{sb.probe_port}"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert int(listening[2]) == PROBE_BACKLOG, listening  # Send-Q of a listening socket: its backlog
+    flood = "127.0.3.1"
+    silent: list[socket.socket] = []
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def whole_requests() -> None:
+        for _ in range(5000):  # bounded: at most 5000 requests, or until stopped
+            if stop.is_set():
+                return
+            try:
+                with socket.create_connection(("127.0.0.1", sb.probe_port), timeout=2,
+                                              source_address=(flood, 0)) as c:
+                    c.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                    answered.append(len(c.recv(4096)))
+            except OSError:
+                answered.append(-1)
+    t = threading.Thread(target=whole_requests, daemon=True)
+    try:
+        for _ in range(3 * PROBE_MAX_CONNS):
+            silent.append(socket.create_connection(("127.0.0.1", sb.probe_port), timeout=5,
+                                                   source_address=(flood, 0)))
+        t.start()
+        for _ in range(10):  # kubelet's probes while the flood goes on, each in kubelet's timeout
+            assert sb.status("/live", timeout=KUBELET_PROBE_TIMEOUT) == 200
+            assert sb.status("/health", timeout=KUBELET_PROBE_TIMEOUT) == 200
+            open_ = [s for s in silent if not select.select([s], [], [], 0)[0]]  # readable: closed by it
+            assert len(open_) <= PROBE_PEER_SHARE, len(open_)
+            time.sleep(0.1)
+        assert len(answered) > 10 and any(n > 0 for n in answered)  # the flood really ran, and was served
+    finally:
+        stop.set()
+        t.join(timeout=10)
+        for s in silent:
+            s.close()
+    assert sb.running()
