@@ -385,6 +385,17 @@ MUTATIONS = (
         "                        await look(http, s)\n                        loops[key] = (s, start(s))\n",
         tests=["tests/unit/test_bounded_http.py::test_one_trickling_sleeper_delays_no_other_sleepers_wake_on_request"]),
     mutation(
+        "edge-unbounded-said-every-look", "a routable sleeper whose gauge trickles is said at every look, not "
+        "once per episode", EDGE,
+        "                if said != e.cause and on_unbounded is not None:\n",
+        "                if on_unbounded is not None:\n",
+        tests=["tests/unit/test_bounded_http.py::test_a_routable_sleeper_whose_gauge_trickles_is_said_once_and_woken_never"]),
+    mutation(
+        "edge-unbounded-unsaid", "a routable sleeper whose gauge trickles is never said", EDGE,
+        "                    on_unbounded(s.key, e)\n",
+        "                    pass\n",
+        tests=["tests/unit/test_bounded_http.py::test_a_routable_sleeper_whose_gauge_trickles_is_said_once_and_woken_never"]),
+    mutation(
         "exchange-unbounded-in-time", "an exchange with a pod is bounded per read only (httpx's timeout)",
         "dynsnap/runtime/bounded_http.py", "        async with asyncio.timeout(deadline):\n",
         "        async with asyncio.timeout(None):\n",

@@ -67,11 +67,14 @@ def routable_sleepers(snapshots: Iterable[Obj], pod_ip: Callable[[str, str], str
 
 async def inflight(http: httpx.AsyncClient, url: str, *, timeout: float) -> int | None:
     """The worker's in-flight requests, summed over its series as the idle facts read them
-    (``idle.parse_metrics``); None when it did not answer in full within ``timeout`` (and
-    ``idle.METRICS_MAX_BYTES``) or its page has no in-flight series."""
+    (``idle.parse_metrics``); None when it did not answer (a transport error) or its page has no in-flight
+    series. An answer past ``timeout`` or over ``idle.METRICS_MAX_BYTES`` raises runtime.bounded_http's
+    ExchangeError (cause ``deadline``, ``size``): the watch says it, once per episode."""
     try:
         r = await exchange(http, "GET", url, deadline=timeout, max_bytes=METRICS_MAX_BYTES)
-    except ExchangeError:
+    except ExchangeError as e:
+        if e.cause in ("deadline", "size"):
+            raise
         return None
     if r.status != 200:
         return None
@@ -82,18 +85,28 @@ async def inflight(http: httpx.AsyncClient, url: str, *, timeout: float) -> int 
 
 
 async def watch(sleepers: Callable[[], list[Sleeper]], on_request: Callable[[str], None], *, interval: float,
-                stop: asyncio.Event, timeout: float = 1.0) -> None:
+                stop: asyncio.Event, timeout: float = 1.0,
+                on_unbounded: Callable[[str, ExchangeError], None] | None = None) -> None:
     """Until ``stop``: each routable sleeper watched by a loop of its own, its in-flight gauge every ``interval``
     seconds, each look bounded as a whole by ``timeout``; one above 0 is passed to ``on_request`` (once per
     sleep: the reconcile wakes it and it leaves the list). A sleeper whose answers trickle or swell delays its
-    own looks only, never another's (before, one round waited for every sleeper's answer). The list is read
-    again every ``interval``: a sleeper that left it (woken, gone) has its loop ended."""
+    own looks only, never another's (before, one round waited for every sleeper's answer), and is passed to
+    ``on_unbounded`` once per episode (the first such answer after a good one). The list is read again every
+    ``interval``: a sleeper that left it (woken, gone) has its loop ended."""
     seen: set[str] = set()
     loops: dict[str, tuple[Sleeper, asyncio.Task[None]]] = {}
 
     async def look(http: httpx.AsyncClient, s: Sleeper) -> None:
+        said: str | None = None
         while not stop.is_set():
-            n = await inflight(http, s.url, timeout=timeout)
+            try:
+                n = await inflight(http, s.url, timeout=timeout)
+                said = None
+            except ExchangeError as e:
+                n = None
+                if said != e.cause and on_unbounded is not None:
+                    on_unbounded(s.key, e)
+                said = e.cause
             if n and n > 0:
                 seen.add(s.key)
                 log.info("%s: %g request(s) reached it asleep routable: waking it", s.key, n)

@@ -95,6 +95,8 @@ class NodeAgent:
     _requests: dict[str, float] = field(default_factory=dict)
     # key -> the bound (deadline, size) the worker's last metrics answer passed: said once per episode
     _unbounded: dict[str, str] = field(default_factory=dict)
+    # Events sent off a loop that must not wait for them (the wake-on-request watch's)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
     # served on the health port's /metrics (main.py passes its render to the health server)
     metrics: Metrics = field(default_factory=Metrics)
     reporter: Reporter = field(init=False)
@@ -424,7 +426,22 @@ class NodeAgent:
             objs = [self._ws(f"{o['metadata']['namespace']}/{o['metadata']['name']}") or o
                     for o in self.ws_informer.store.list()] if self.ws_informer is not None else []
             return E.routable_sleepers(objs, pod_ip, port=self.settings.metrics_port)
-        await E.watch(sleepers, self.on_request, interval=self.settings.routable_poll_interval, stop=stop)
+        await E.watch(sleepers, self.on_request, interval=self.settings.routable_poll_interval, stop=stop,
+                      on_unbounded=self.on_unbounded)
+
+    def on_unbounded(self, key: str, e: Exception) -> None:
+        """A routable sleeper's in-flight gauge trickled or swelled past its bound (edge.py, once per
+        episode): a Warning Event for it alone, sent off the watch's loop; it wakes nothing."""
+        obj = self._ws(key)
+        try:
+            ws = WorkerSnapshot.model_validate(obj)
+        except ValidationError:
+            return
+        log.warning("%s: asleep routable, its in-flight gauge out of bounds: %s", key, e)
+        task = asyncio.create_task(self._event(ws, "Warning", Reason.METRICS_OUT_OF_BOUNDS,
+                                               f"wake-on-request watch: {e}"))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- housekeeping -------------------------------------------------------------------------
 

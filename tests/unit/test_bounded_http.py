@@ -249,3 +249,26 @@ async def test_a_worker_whose_metrics_pass_a_bound_is_said_once_per_episode() ->
         agent.settings = AgentSettings(node_name="n", metrics_port=bad.port)
         await agent._idle(ws, status, pod, cast(Any, obs))
         assert said == [("Warning", "MetricsOutOfBounds")] * 2
+
+
+async def test_a_routable_sleeper_whose_gauge_trickles_is_said_once_and_woken_never() -> None:
+    """The wake-on-request watch's look at a sleeper whose /metrics trickles ends at its bound every time;
+    ``on_unbounded`` hears of it once for the episode (cause ``deadline``), ``on_request`` never."""
+    said: list[tuple[str, str]] = []
+    woken: list[str] = []
+    async with serve(trickle) as a:
+        stop = asyncio.Event()
+        sleepers = [edge.Sleeper("ns/a", f"http://127.0.0.1:{a.port}/metrics")]
+
+        def on_unbounded(key: str, e: ExchangeError) -> None:
+            said.append((key, e.cause))
+        task = asyncio.create_task(edge.watch(lambda: sleepers, woken.append, interval=0.02, stop=stop,
+                                              timeout=0.2, on_unbounded=on_unbounded))
+        for _ in range(200):  # bounded: until three looks have ended at the deadline
+            if len(a.sent) >= 3:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert len(a.sent) >= 3, a.sent
+    assert said == [("ns/a", "deadline")] and woken == []
