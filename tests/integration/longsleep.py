@@ -37,7 +37,7 @@ GRAPH = "long-sleep"
 ASLEEP_S = 360.0  # six minutes: the least the sleep lasts (the package's other suites take longer)
 LOOK_EVERY_S = 5.0  # as often as the example's liveness probe
 MAX_LOOKS = 480  # 40 minutes of looks at most: longer than the package runs
-LIVENESS = {"periodSeconds": 5, "failureThreshold": 1}  # Dynamo's, as examples/dgd/agg.yaml ships them
+LIVENESS = {"periodSeconds": 5, "failureThreshold": 3}  # as examples/dgd/agg.yaml ships them
 WATCHED = {"endpointslices", "dynamoworkermetadatas"}  # what a Dynamo 1.6.1 worker watches (DESIGN.md 3.4)
 RESTART_SLACK = timedelta(seconds=10)  # a look begun this long before an API server restart may fail by it
 

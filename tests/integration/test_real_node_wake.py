@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import statistics
@@ -136,9 +137,9 @@ async def test_chart_runs_as_pods_of_the_real_node(env: Env) -> None:
 async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
     """Each worker: both init containers of the example completed from the entrypoint image, the copied
     entrypoint as the container's PID 1 with its control directory on the emptyDir kubelet keeps, the
-    probes, the readiness gate and the security context exactly as examples/dgd/agg.yaml has them,
-    containerd's default seccomp profile, the huge-page library and the GPU stand-in's driver mapped
-    into the worker; each serves requests pinned to it."""
+    probes and the readiness gate exactly as examples/dgd/agg.yaml has them, no capability added (the pid
+    range reserved without one), containerd's default seccomp profile, the huge-page library and the GPU
+    stand-in's driver mapped into the worker; each serves requests pinned to it."""
     assert env.graph is not None and env.fe is not None
     example = next(c for c in env.graph.dgd["spec"]["components"] if c["name"] == WORKER_COMPONENT)
     want = next(c for c in example["podTemplate"]["spec"]["containers"] if c["name"] == "main")
@@ -149,7 +150,7 @@ async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
         assert {n: t.get("exitCode") for n, t in inits.items()} == {"dynsnap-entrypoint": 0, "dynsnap-thp": 0}
         assert {"conditionType": P.CONDITION_SERVING} in pod["spec"]["readinessGates"]
         main = next(c for c in pod["spec"]["containers"] if c["name"] == "main")
-        assert main["securityContext"] == want["securityContext"] == {"capabilities": {"add": ["CHECKPOINT_RESTORE"]}}
+        assert "securityContext" not in main and "securityContext" not in want  # no capability added
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert main[probe]["httpGet"]["port"] == "probe" and main[probe] == pod["spec"]["containers"][0][probe]
         facts = await kubelet_facts(env.api, w)
@@ -171,11 +172,12 @@ async def test_example_workers_run_as_the_example_ships_them(env: Env) -> None:
         named = {c: procfs.parse_pod_cgroup(path) for c, path in cgroups(procs.entrypoint).items()}
         assert named["memory"] == named["pids"] == ours and set(named.values()) <= {ours, None}, named
         control = volumes / "kubernetes.io~empty-dir" / "dynsnap-control"
-        assert (control / "entrypoint.json").is_file()
+        # the pid range reserved without a capability (containerd's /proc/sys is read-only: by cycling pids)
+        assert json.loads((control / "entrypoint.json").read_text())["pid_reserved"] is True
         maps = procfs.maps_paths(procs.root)
         assert "/dynsnap/bin/libdynsnap-thp.so" in maps and str(env.driver.libcuda) in maps
         sec = security(procs.root)
-        assert sec["Seccomp"] == "2" and int(sec["CapEff"], 16) & (1 << CAP_CHECKPOINT_RESTORE)
+        assert sec["Seccomp"] == "2" and not int(sec["CapEff"], 16) & (1 << CAP_CHECKPOINT_RESTORE)
         assert security(procs.entrypoint)["Seccomp"] == "2"  # RuntimeDefault: the kubelet's seccompDefault
         iid = instance_id_from_dwm(await env.api.get(R.DWMS, w.name, namespace=w.namespace))
         await env.fe.wait_routable(iid, timeout=60)

@@ -8,7 +8,7 @@ error unless the schema preserves unknown fields (kubectl apply's field validati
 local stand-in CRD keeps everything, so only this catches it). The validator's own table shows it
 refuses each kind of mistake. Wiring: every worker component runs under the entrypoint with the
 probes on its port, the serving readiness gate, the control directory, the discovery env and, for
-tier snapshot, CAP_CHECKPOINT_RESTORE; its policy annotations parse with dynsnap's own parser.
+no tier, an added capability; its policy annotations parse with dynsnap's own parser.
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ MISTAKES = [
     ("a probe port that is neither a number nor a name", lambda d: _set(d, (*C, "livenessProbe", "httpGet", "port"),
                                                                         [8081]),
      ".spec.components[1].podTemplate.spec.containers[0].livenessProbe.httpGet.port: expected an integer or"),
-    ("a capability list that is not a list", lambda d: _set(d, (*C, "securityContext", "capabilities", "add"),
-                                                            "CHECKPOINT_RESTORE"),
+    ("a capability list that is not a list", lambda d: _set(d, (*C, "securityContext"),
+                                                            {"capabilities": {"add": "CHECKPOINT_RESTORE"}}),
      "securityContext.capabilities.add: expected array, got str"),
     ("two volumes of one name", lambda d: d["spec"]["components"][1]["podTemplate"]["spec"]["volumes"].append(
         {"name": "dynsnap-bin", "emptyDir": {}}), "volumes: duplicate entries for key ['name']"),
@@ -216,7 +216,6 @@ def test_example_workers_are_wired_for_dynsnap(path: Path) -> None:
     dgd = _load(path)
     parsed = parse_policy(dgd["metadata"]["annotations"], {})
     assert parsed.ok and parsed.policy is not None and parsed.policy.enabled, parsed
-    snapshot = parsed.policy.tier == P.Tier.SNAPSHOT
     assert _workers(dgd)
     for comp in _workers(dgd):
         spec = comp["podTemplate"]["spec"]
@@ -251,10 +250,11 @@ def test_example_workers_are_wired_for_dynsnap(path: Path) -> None:
                             ("POD_UID", "metadata.uid")):
             assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == field
         assert env["DYN_SYSTEM_PORT"]["value"] == str(P.DYNAMO_SYSTEM_PORT)
-        # the capability the pid reservation needs for a snapshot, and never more
+        # no capability added in any tier (Pod Security baseline: test_examples_pod_security.py asks the
+        # API server), nothing privileged
         sc = main.get("securityContext") or {}
         added = (sc.get("capabilities") or {}).get("add") or []
-        assert added == (["CHECKPOINT_RESTORE"] if snapshot else []), (comp["name"], added)
+        assert added == [], (comp["name"], added)
         assert not sc.get("privileged") and not spec.get("hostPID")
 
 

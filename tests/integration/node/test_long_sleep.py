@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.last_in_package]
 async def test_asleep_through_the_package_under_dynamos_liveness_settings_then_a_helm_upgrade_and_the_wake(
         env: Env, long_sleep: LongSleep) -> None:
     """Tier snapshot, asleep from the package's start (at least six minutes) with the example's liveness
-    probe (/live on the entrypoint every 5 s, failureThreshold 1: one failed probe restarts the container),
+    probe (/live on the entrypoint every 5 s, failureThreshold 3: three failed probes restart the container),
     while the other suites deploy, capture, wake and restart the controller on the node: at every look
     (5 s) kubelet reports the same container, running, never restarted, not Ready (the gate), its PID 1
     the same process, the WorkerSnapshot asleep on its capture; no liveness failure and no kill in the
