@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dynsnap.agent.settings import AgentSettings
-from dynsnap.models.protocol import ANN_DESIRED_STATE, Tier
+from dynsnap.models.protocol import Tier
 from dynsnap.models.workersnapshot import UID_PATTERN
 
 _BOOL = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
@@ -262,7 +262,7 @@ def _add_user_commands(sub: Any) -> None:
     st.add_argument("--timeline", metavar="POD", help="write a PNG timeline of POD's last quiesce, capture, wake "
                     "and verification, each step with its duration (needs matplotlib: pip install 'dynsnap[plots]')")
     for action, what in (("suspend", "put one worker to sleep"), ("wake", "wake one worker and prove it")):
-        p = sub.add_parser(action, help=f"{what}: set {ANN_DESIRED_STATE} on its pod and follow it")
+        p = sub.add_parser(action, help=f"{what}: set the override on its WorkerSnapshot (spec.override) and follow it")
         p.add_argument("pod", metavar="POD", help="the worker pod", nargs="?" if action == "wake" else None)
         if action == "wake":
             p.add_argument("--all", action="store_true", help="every worker dynsnap manages in the namespace, "
@@ -272,7 +272,7 @@ def _add_user_commands(sub: Any) -> None:
         p.add_argument("--kubeconfig", help=kubeconfig)
         p.add_argument("--timeout", type=float, default=300.0,
                        help="give up following after this many seconds, exit 3 (default: 300)")
-        p.add_argument("--no-follow", action="store_true", help="set the annotation and exit")
+        p.add_argument("--no-follow", action="store_true", help="set the override and exit")
 
 
 async def _user_command(args: argparse.Namespace) -> int:

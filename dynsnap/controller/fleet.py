@@ -22,6 +22,7 @@ from dynsnap.k8s.store import Store
 from dynsnap.models import protocol as P
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.models.ids import InstanceId
+from dynsnap.models.policy import parse_override
 from dynsnap.models.workersnapshot import WorkerSnapshot
 
 Obj = dict[str, Any]
@@ -83,6 +84,17 @@ def dgd_components(dgd: Obj) -> list[ComponentSpec]:
 
 def labels(obj: Obj) -> dict[str, str]:
     return dict((obj.get("metadata") or {}).get("labels") or {})
+
+
+def override_of(pod: Obj, ws: WorkerSnapshot | None) -> tuple[str | None, str | None, bool]:
+    """A person's override of the worker: its WorkerSnapshot's ``spec.override``, else (deprecated) the pod's
+    ``dynsnap.io/desired-state``. (``"Suspended"``/``"Active"``/None, the annotation's problem or None,
+    whether the deprecated annotation is what was read.)"""
+    if ws is not None and ws.spec.override is not None:
+        return ws.spec.override.value, None, False
+    raw = annotations_of(pod).get(P.ANN_DESIRED_STATE)
+    value, bad = parse_override(raw)
+    return value, bad, raw is not None
 
 
 def annotations_of(obj: Obj) -> dict[str, str]:

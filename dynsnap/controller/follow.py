@@ -5,9 +5,10 @@ table (``dynsnap.controller.userview``); with ``watch`` it keeps watching and pr
 row whose content changed, until SIGINT/SIGTERM.
 
 ``request`` is the manual override: after checking that the pod exists and that dynsnap manages it
-(it has a WorkerSnapshot naming its UID), it merge-patches the pod's ``dynsnap.io/desired-state``
-annotation (with the pod's UID in the patch, so a pod recreated in between is refused, not
-annotated) and follows the pod's WorkerSnapshot through an ``Informer`` (a field selector on its
+(it has a WorkerSnapshot naming its UID), it merge-patches the WorkerSnapshot's ``spec.override``
+(with the WorkerSnapshot's UID in the patch, so one made anew in between is refused, not written;
+the pod is never written: the pod annotation ``dynsnap.io/desired-state`` of earlier releases is
+deprecated) and follows the pod's WorkerSnapshot through an ``Informer`` (a field selector on its
 name), printing what ``dynsnap.controller.progress.Tracker`` makes of each change, until its
 outcome (exit 0 or 1), or ``timeout`` seconds (exit 3, with what was last seen). Bad input (no such
 pod, a pod dynsnap does not manage, a bad name, a request RBAC refuses) is exit 2, nothing changed.
@@ -31,7 +32,7 @@ from typing import Any, Final, TextIO
 
 from dynsnap.controller import timeline as TL
 from dynsnap.controller import userview as U
-from dynsnap.controller.progress import ANNOTATION_VALUE, FAILED, OK, TIMEOUT, USAGE, Outcome, Tracker
+from dynsnap.controller.progress import FAILED, OK, OVERRIDE_VALUE, TIMEOUT, USAGE, Outcome, Tracker
 from dynsnap.controller.session import UsageError, check_name, connect, explain, preflight
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import Invalid, K8sError, NotFound
@@ -236,24 +237,29 @@ async def request(kube: Kube, *, action: str, namespace: str, pod: str, timeout:
 
 
 async def _set_override(kube: Kube, *, action: str, namespace: str, pod: str, out: TextIO) -> Obj:
-    """The override annotation on ``pod`` (after the checks of :func:`_target`); its WorkerSnapshot as
-    it was before."""
+    """The override on ``pod``'s WorkerSnapshot (``spec.override``; after the checks of :func:`_target`);
+    the WorkerSnapshot as it was before. The pod itself is not written: people who drive dynsnap need no
+    right to patch pods (docs/install.md, "Who may do what")."""
     obj, ws = await _target(kube, namespace, pod)
-    value = ANNOTATION_VALUE[action]
-    before = (obj["metadata"].get("annotations") or {}).get(P.ANN_DESIRED_STATE)
-    # The UID in the patch makes the API server refuse it (immutable field) if the pod was recreated
-    # since we read it: the override goes on the pod that was checked, or nowhere.
-    patch = {"metadata": {"uid": obj["metadata"]["uid"], "annotations": {P.ANN_DESIRED_STATE: value}}}
+    value = OVERRIDE_VALUE[action]
+    before = (ws.get("spec") or {}).get("override")
+    # The UID in the patch makes the API server refuse it (immutable field) if the WorkerSnapshot was made
+    # anew since we read it (its pod recreated): the override goes on the worker that was checked, or nowhere.
+    patch = {"metadata": {"uid": ws["metadata"]["uid"]}, "spec": {"override": value}}
     try:
-        await kube.merge_patch(R.PODS, pod, patch, namespace=namespace)
+        await kube.merge_patch(R.WORKER_SNAPSHOTS, pod, patch, namespace=namespace)
     except Invalid as e:
-        raise UsageError(f"pod {namespace}/{pod} was recreated while this ran ({e.message}); nothing changed") from e
+        raise UsageError(f"the WorkerSnapshot {namespace}/{pod} was made anew while this ran ({e.message}); nothing "
+                         "changed") from e
     except NotFound as e:
-        raise UsageError(f"pod {namespace}/{pod} was deleted while this ran; nothing changed") from e
+        raise UsageError(f"the WorkerSnapshot {namespace}/{pod} was deleted while this ran; nothing changed") from e
     except K8sError as e:
         raise UsageError(f"{explain(e)}; nothing changed") from e
-
-    out.write(f"pod {namespace}/{pod}: {P.ANN_DESIRED_STATE}={value} (was: {before or 'unset'})\n")
+    legacy = (obj["metadata"].get("annotations") or {}).get(P.ANN_DESIRED_STATE)
+    out.write(f"pod {namespace}/{pod}: override {value} (was: {before or 'unset'})\n")
+    if legacy is not None:
+        out.write(f"note: the pod also carries the deprecated {P.ANN_DESIRED_STATE}={legacy}, which the override "
+                  f"wins over; remove it: kubectl -n {namespace} annotate pod {pod} {P.ANN_DESIRED_STATE}-\n")
     out.flush()
     return ws
 

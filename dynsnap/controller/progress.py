@@ -39,7 +39,7 @@ TIMEOUT: Final = 3
 
 SUSPEND: Final = "suspend"
 WAKE: Final = "wake"
-ANNOTATION_VALUE: Final = {SUSPEND: "suspended", WAKE: "active"}  # the override annotation's value
+OVERRIDE_VALUE: Final = {SUSPEND: "Suspended", WAKE: "Active"}  # the WorkerSnapshot's spec.override
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Tracker:
     the lines that are new since the last one and, once there is one, the outcome (pure)."""
 
     def __init__(self, action: str, initial: Obj) -> None:
-        if action not in ANNOTATION_VALUE:
+        if action not in OVERRIDE_VALUE:
             raise ValueError(f"unknown action {action!r}")
         self.action = action
         first = U.parse(initial)

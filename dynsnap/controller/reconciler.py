@@ -44,7 +44,7 @@ from dynsnap.controller.settings import ControllerSettings
 from dynsnap.controller.writes import Ctx, Hooks
 from dynsnap.k8s.client import Kube
 from dynsnap.models import protocol as P
-from dynsnap.models.policy import Policy, parse_override
+from dynsnap.models.policy import Policy
 from dynsnap.models.protocol import Reason
 from dynsnap.models.workersnapshot import WorkerSnapshot
 from dynsnap.telemetry.metrics import Metrics
@@ -106,9 +106,14 @@ class Reconciler:
         if not A.policy_condition_ok(s):
             await self.ctx.write(s.snap, s.rec, policy_ok=True)
             return 0.0
-        _, bad = parse_override(F.annotations_of(pod).get(P.ANN_DESIRED_STATE))
+        _, bad, deprecated = F.override_of(pod, s.ws)
         if bad:
             await self.ctx.say(pod, "Warning", Reason.INVALID_OVERRIDE, bad)
+        elif deprecated:
+            await self.ctx.say(pod, "Warning", Reason.DEPRECATED_OVERRIDE, (
+                f"{P.ANN_DESIRED_STATE} on the pod is deprecated and read only while the WorkerSnapshot has no "
+                "spec.override: use `dynsnap suspend|wake` (it writes spec.override), then remove the annotation"),
+                occurrence=s.pod_uid)
         for phase_step in (W.reconcile_request_wake, C.reconcile_capture, W.reconcile_wake):
             done = await phase_step(self.ctx, s, policy)
             if not isinstance(done, Next):
@@ -218,7 +223,7 @@ class Reconciler:
         if ws is not None and ref is not None and (policy is None or PH.refusal_holds(
                 ref, pod_uid=F.pod_uid(pod), generation=ws.metadata.generation, policy=policy)):
             refused = PH.refusal_note(ref)
-        override, _ = parse_override(F.annotations_of(pod).get(P.ANN_DESIRED_STATE))
+        override, _, _ = F.override_of(pod, ws)
         return WorkerView(name=meta["name"], phase=phase, idle_since=idle.idle_since if idle else None,
                           last_activity=idle.last_activity if idle else None,
                           last_capture=cap.started if cap else None, override=override,

@@ -223,6 +223,7 @@ class Reason(StrEnum):
     POLICY_VALID = "PolicyValid"
     INVALID_POLICY = "InvalidPolicy"
     INVALID_OVERRIDE = "InvalidOverride"
+    DEPRECATED_OVERRIDE = "DeprecatedOverride"
     MIN_ACTIVE = "MinActive"
     QUIESCING = "Quiescing"
     QUIESCED = "Quiesced"

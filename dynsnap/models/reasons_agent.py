@@ -153,9 +153,11 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
         "The entrypoint could not reserve the pid range (`pid_reserved: false` in its control file), or "
         "worker processes run below pid 10000: a CRIU restore could collide with the pod's own pids.",
-        "Give the worker container `CAP_CHECKPOINT_RESTORE` and a writable `/proc/sys` (container runtimes "
-        "mount it read-only in a container that is not privileged); the entrypoint's log says why the "
-        "write failed. Or use tier suspend, which needs none of this."),
+        "The entrypoint's log says why both ways failed: its write of `ns_last_pid` (container runtimes mount "
+        "`/proc/sys` read-only in a container that is not privileged) and its walk of the pid counter by "
+        "short-lived children (not made where the node's `pid_max` is 10,000 or less, or with "
+        "`--no-pid-cycle`). Raise `pid_max`, or use tier suspend, which needs none of this. No capability is "
+        "needed (docs/install.md, \"What a namespace needs\")."),
     Reason.SECCOMP_OFF: ReasonDoc(
         REFUSED, "refusal", "`Degraded=True`, `status.lastError` (agent); tier snapshot only",
         "The entrypoint's io_uring filter is off or failed to install (control file `seccomp`), so the "
@@ -198,7 +200,10 @@ AGENT_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         "The worker's `/metrics` answer did not come whole within the agent's bound (3 s) or passed its size cap "
         "(4 MiB). The agent bounds every exchange with what a pod runs (dynsnap/runtime/bounded_http.py), so such "
         "a worker costs it one bounded look per scrape and delays no other worker; its idle facts stay as they "
-        "were, and a capture, which asks the in-flight count first, is refused (`WorkerServing`) until it answers.",
+        "were, and a capture, which asks the in-flight count first, is refused (`WorkerServing`) until it answers. "
+        "A worker asleep routable (wake on request) is said the same way by the watch of its in-flight gauge "
+        "(the note begins `wake-on-request watch:`; its bound is 1 s a look): it is not woken by such answers, "
+        "and no other sleeper's watch waits for it.",
         "Look at what serves the worker's system port (Dynamo's metrics are tens of KiB, answered in "
         "milliseconds); the Event is said again only after an answer within the bounds."),
     Reason.DISK_BUDGET_EXCEEDED: ReasonDoc(

@@ -25,6 +25,14 @@ CONTROLLER_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
         POLICY, "refusal", "Warning Event on the pod (controller)",
         "The pod's `dynsnap.io/desired-state` is neither `suspended` nor `active`; it is ignored.",
         "Use `dynsnap suspend|wake POD`, or remove the annotation."),
+    Reason.DEPRECATED_OVERRIDE: ReasonDoc(
+        POLICY, "refusal", "Warning Event on the pod (controller), once per pod",
+        "The pod carries `dynsnap.io/desired-state`, the override of earlier releases, and its WorkerSnapshot "
+        "has no `spec.override`: the annotation is still obeyed, for this release. The override lives on the "
+        "WorkerSnapshot now, which dynsnap owns, so that people who drive dynsnap need no right to patch pods "
+        "(which would let them change a pod's image).",
+        "Use `dynsnap suspend|wake POD` (it writes the WorkerSnapshot's `spec.override`, which wins over the "
+        "annotation), and remove the annotation."),
     Reason.MIN_ACTIVE: ReasonDoc(
         POLICY, "refusal", "Warning Event on the pod (controller)",
         "A manual `suspended` was refused: it would leave fewer than `min-active` workers of the component "

@@ -244,6 +244,13 @@ def gate_of(pod: Obj) -> str | None:
                  if c.get("type") == P.CONDITION_SERVING), None)
 
 
+async def set_override(api: Kube, pod: PodRef, value: str | None) -> None:
+    """What ``dynsnap suspend|wake POD`` writes: the WorkerSnapshot's ``spec.override`` (``suspended`` or
+    ``active``, any case; None takes it away), by a merge patch."""
+    spec = {"override": value.capitalize() if value is not None else None}
+    await api.merge_patch(R.WORKER_SNAPSHOTS, pod.name, {"spec": spec}, namespace=pod.namespace)
+
+
 async def events_for(api: Kube, namespace: str, name: str) -> list[Obj]:
     evs = await api.list(R.EVENTS, namespace=namespace)
     return [e for e in evs.get("items", []) if (e.get("regarding") or {}).get("name") == name]

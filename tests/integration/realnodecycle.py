@@ -19,7 +19,6 @@ from realnodeenv import Env
 from realnodefacts import KubeletFacts, containerd_task, kubelet_facts, runc_state
 
 from dynsnap.k8s.client import Obj
-from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.models.dynamo import instance_id_from_dwm
 from dynsnap.testenv.cluster import wait_for
@@ -27,9 +26,9 @@ from dynsnap.testenv.real_graph import NodePod
 
 
 async def override(env: Env, w: NodePod, value: str | None) -> None:
-    """``dynsnap suspend|wake POD`` (the pod's dynsnap.io/desired-state: suspended, active); None takes it away."""
-    await env.api.merge_patch(R.PODS, w.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: value}}},
-                              namespace=w.namespace)
+    """``dynsnap suspend|wake POD`` (``suspended``, ``active``): the WorkerSnapshot's ``spec.override``, as the
+    CLI writes it; None takes it away."""
+    await controllerenv.set_override(env.api, w, value)
 
 
 async def wait_ws(env: Env, w: NodePod, what: str, check: Callable[[Obj | None], bool], timeout: float = 240) -> Obj:

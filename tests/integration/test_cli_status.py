@@ -7,7 +7,8 @@ No Dynamo and no agent here: the pods are API objects on kwok's fake nodes, and 
 agent and the controller by writing the WorkerSnapshot's status as each does (server-side apply of
 status under the agent's field manager for its part, under the controller's for ``status.controller``
 and ``Verified``). What is asserted is what the commands print, the exit code they end with, and
-what they changed on the pod (the override annotation, under the CLI's field manager) or did not.
+what they changed (the WorkerSnapshot's ``spec.override``, under the CLI's field manager) or did not;
+the pod is never written (the role has no ``pods: patch`` since the override left the pod annotation).
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ class Worker:
         return await self.api.get(R.PODS, self.name, namespace=NS)
 
     async def override(self) -> str | None:
-        return ((await self.pod())["metadata"].get("annotations") or {}).get(P.ANN_DESIRED_STATE)
+        """The WorkerSnapshot's spec.override (what `dynsnap suspend|wake` writes)."""
+        ws = await self.api.get(R.WORKER_SNAPSHOTS, self.name, namespace=NS)
+        value: str | None = (ws.get("spec") or {}).get("override")
+        return value
 
     async def agent(self, **status: Any) -> None:
         """Write status as the agent does: its whole part, every time (SSA drops what it stops sending)."""
@@ -346,13 +350,16 @@ async def test_wake_sets_the_override_and_exits_0_only_once_the_new_wake_is_veri
     await asleep(w, wake_id="w0")  # its earlier wake w0 was verified: no proof of the next one
     cli = await Cli.start("wake", w.name, "-n", NS, "--timeout", "240", kubeconfig=users.kubeconfig)
     clis.append(cli)
-    await cli.expect(rf"^pod {NS}/{w.name}: {P.ANN_DESIRED_STATE}=active \(was: unset\)$")
+    await cli.expect(rf"^pod {NS}/{w.name}: override Active \(was: unset\)$")
     await cli.expect(r"^following WorkerSnapshot")
-    pod = await w.pod()
-    assert pod["metadata"]["annotations"][P.ANN_DESIRED_STATE] == "active"
-    managers = {m["manager"] for m in pod["metadata"].get("managedFields") or []
-                if P.ANN_DESIRED_STATE in json.dumps(m.get("fieldsV1"))}
+    assert await w.override() == "Active"
+    ws = await cluster.api.get(R.WORKER_SNAPSHOTS, w.name, namespace=NS)
+    managers = {m["manager"] for m in ws["metadata"].get("managedFields") or []
+                if "f:override" in json.dumps(m.get("fieldsV1"))}
     assert managers == {P.CLI_FIELD_MANAGER}
+    pod = await w.pod()  # the pod is not written: the user role has no pods: patch
+    assert P.ANN_DESIRED_STATE not in (pod["metadata"].get("annotations") or {})
+    assert P.CLI_FIELD_MANAGER not in {m["manager"] for m in pod["metadata"].get("managedFields") or []}
 
     # The controller honours the override; the agent wakes the worker step by step.
     await w.desire("Active")
@@ -418,9 +425,9 @@ async def test_wake_all_sets_every_override_first_skips_a_gone_pod_and_names_a_f
     clis.append(cli)
     await cli.expect(rf"^waking every worker dynsnap manages in namespace {NS}: \d+ WorkerSnapshots$")
     await cli.expect(rf"^pod {NS}/cli-all-gone: skipped, its pod is gone$")
-    await cli.expect(rf"^pod {NS}/{ok.name}: {P.ANN_DESIRED_STATE}=active \(was: unset\)$")  # the last, by name
+    await cli.expect(rf"^pod {NS}/{ok.name}: override Active \(was: unset\)$")  # the last, by name
     for w in (ok, bad, awake):  # every override is set before any worker is woken
-        assert await w.override() == "active", w.name
+        assert await w.override() == "Active", w.name
     ok_ws = await cluster.api.get(R.WORKER_SNAPSHOTS, ok.name, namespace=NS)
     assert ok_ws["status"]["state"] == "Suspended", ok_ws["status"]
     for w in (ok, bad):  # the controller honours the overrides; the agent wakes both
@@ -451,8 +458,8 @@ async def test_suspend_follows_quiesce_and_capture_to_the_outcome(
                   conditions=[cond("Accepted", "True", "Accepted"), cond("Suspended", "False", "Active")])
     cli = await Cli.start("suspend", w.name, "-n", NS, kubeconfig=users.kubeconfig)
     clis.append(cli)
-    await cli.expect(rf"^pod {NS}/{w.name}: {P.ANN_DESIRED_STATE}=suspended \(was: unset\)$")
-    assert await w.override() == "suspended"
+    await cli.expect(rf"^pod {NS}/{w.name}: override Suspended \(was: unset\)$")
+    assert await w.override() == "Suspended"
     await w.controller({"quiesce": op("q1", [("serving-gate", 0.02)], tier="snapshot", started=1)})
     await cli.expect(r"^  quiesce: serving-gate 0\.02s$")
     await w.controller({"quiesce": op("q1", [("serving-gate", 0.02), ("endpoint-not-ready", 0.9)], tier="snapshot",
@@ -505,22 +512,22 @@ async def test_bad_input_exits_2_and_changes_nothing(cluster: LocalCluster, user
     assert rc == 2 and "namespace 'Bad_NS' is not a valid Kubernetes name" in err, err
     rc, out, err = await run_cli("status", "-n", "Bad_NS", kubeconfig=users.kubeconfig)
     assert rc == 2 and "namespace 'Bad_NS' is not a valid Kubernetes name" in err, err
-    assert await plain.override() is None
+    assert await managed.override() is None
 
 
-async def test_no_follow_only_annotates_and_a_timeout_exits_3_with_what_was_last_seen(
+async def test_no_follow_only_sets_the_override_and_a_timeout_exits_3_with_what_was_last_seen(
         cluster: LocalCluster, users: Users, workers: list[Worker]) -> None:
     w = await make_worker(cluster, "cli-timeout")
     workers.append(w)
     await asleep(w)
     rc, out, err = await run_cli("wake", w.name, "-n", NS, "--no-follow", kubeconfig=users.kubeconfig)
     assert rc == 0, err
-    assert out.splitlines() == [f"pod {NS}/{w.name}: {P.ANN_DESIRED_STATE}=active (was: unset)"]
-    assert await w.override() == "active"
+    assert out.splitlines() == [f"pod {NS}/{w.name}: override Active (was: unset)"]
+    assert await w.override() == "Active"
     # Nobody acts on it (no controller, no agent here): the follower gives up after its timeout.
     rc, out, err = await run_cli("wake", w.name, "-n", NS, "--timeout", "3", kubeconfig=users.kubeconfig)
     assert rc == 3, f"{out}\n{err}"
-    assert out.splitlines()[0] == f"pod {NS}/{w.name}: {P.ANN_DESIRED_STATE}=active (was: active)"
+    assert out.splitlines()[0] == f"pod {NS}/{w.name}: override Active (was: Active)"
     assert re.search(r"^timed out after 3s; last seen: state Suspended, desired Suspended; last capture 2\.00s, "
                      r"\d+s ago; last wake 0\.75s, \d+s ago; verified by 3/3 pinned \d+s ago$", out, re.M), out
 

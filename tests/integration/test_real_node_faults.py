@@ -530,8 +530,10 @@ async def test_an_uninstall_wakes_every_sleeper_before_dynsnap_goes(env: Env) ->
     by = {m["manager"] for m in ws["metadata"]["managedFields"] if "f:lastWake" in str(m.get("fieldsV1"))}
     assert by == {P.AGENT_FIELD_MANAGER}, by  # the agent woke it
     live = await env.api.get(R.PODS, w.name, namespace=w.namespace)
-    assert live["metadata"]["uid"] == w.uid and live["metadata"]["annotations"][P.ANN_DESIRED_STATE] == "active"
-    assert any(m["manager"] == P.CLI_FIELD_MANAGER for m in live["metadata"]["managedFields"])  # the hook's
+    assert live["metadata"]["uid"] == w.uid
+    assert ws["spec"]["override"] == "Active"  # the hook's `dynsnap wake --all`, on the WorkerSnapshot
+    assert any(m["manager"] == P.CLI_FIELD_MANAGER and "f:override" in str(m.get("fieldsV1"))
+               for m in ws["metadata"]["managedFields"])
     gone = await _release_objects(env)
     assert not any(gone.values()), gone
     for res, name, ns in ((JOBS, HOOK_JOB, NS), (R.SERVICE_ACCOUNTS, f"{RELEASE}-uninstall", NS)):

@@ -100,7 +100,38 @@ def test_a_pod_change_requeues_the_component_only_when_the_phase_moves(ctl: Cont
     assert changed(ctl, pod("g-w-2", gate="False")) == W  # Serving -> Starting: peers may have to stay awake
     p = pod("g-w-2", gate="False")
     p["metadata"]["annotations"] = {P.ANN_DESIRED_STATE: "suspended"}
-    assert changed(ctl, p) == W  # the manual override is part of the plan
+    assert changed(ctl, p) == W  # the manual override is part of the plan (the deprecated annotation)
+
+
+def test_an_override_on_the_workersnapshot_requeues_the_component(ctl: Controller) -> None:
+    """``dynsnap suspend`` writes the WorkerSnapshot's spec.override: the plan changes, so the component's
+    workers are looked at again; the same override written again changes nothing."""
+    o = ws("g-w-2", "2")
+    o["spec"]["override"] = "Suspended"
+    assert changed(ctl, o) == W
+    again = copy.deepcopy(o)
+    again["metadata"]["resourceVersion"] = "3"
+    assert changed(ctl, again) == {"g-w-2"}
+
+
+@pytest.mark.parametrize(("spec", "annotation", "want"), [
+    (None, None, (None, None, False)),
+    ("Suspended", None, ("Suspended", None, False)),
+    (None, "suspended", ("Suspended", None, True)),  # the deprecated annotation, still obeyed, said
+    ("Active", "suspended", ("Active", None, False)),  # the WorkerSnapshot's wins
+    (None, "asleep", (None, f"{P.ANN_DESIRED_STATE}='asleep': must be suspended or active", True)),
+])
+def test_the_override_is_the_workersnapshots_and_the_annotation_only_without_it(
+        spec: str | None, annotation: str | None, want: tuple[str | None, str | None, bool]) -> None:
+    from dynsnap.controller.fleet import override_of
+    from dynsnap.models.workersnapshot import WorkerSnapshot
+    w = ws("g-w-0")
+    if spec:
+        w["spec"]["override"] = spec
+    p = pod("g-w-0")
+    if annotation:
+        p["metadata"]["annotations"] = {P.ANN_DESIRED_STATE: annotation}
+    assert override_of(p, WorkerSnapshot.model_validate(w)) == want
 
 
 def test_a_worker_that_comes_or_goes_requeues_its_component(ctl: Controller) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from controllerenv import asleep, events_for, get_ws, policy, verified_after, wait_ws
+from controllerenv import asleep, events_for, get_ws, policy, set_override, verified_after, wait_ws
 from realnodeenv import NS, RELEASE, WORKER_COMPONENT, Env, component_policy, deployed
 
 from dynsnap.k8s.client import Kube, Obj
 from dynsnap.k8s.errors import Conflict
-from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.testenv import chart_node
 from dynsnap.testenv.cluster import wait_for
@@ -63,8 +62,7 @@ async def test_lease_lost_mid_wake_the_leader_exits_and_after_its_restart_verifi
         # The driver holds the resume's unlock: the wake is mid-way when the Lease goes.
         env.driver.control(f"hang cuCheckpointProcessUnlock * {HANG_MS}")
         try:
-            await api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "active"}}},
-                                  namespace=pod.namespace)
+            await set_override(api, pod, "active")
             await wait_ws(env, pod, "wake requested", lambda w: bool(w and w["spec"]["desiredState"] == "Active"),
                           timeout=60)
             # Someone else takes the Lease (as a partitioned-then-returned replica's successor would).

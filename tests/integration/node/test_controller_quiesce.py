@@ -20,7 +20,7 @@ And the frontend's answer must be its explicit refusal of that instance (issue 1
   deadline.
 
 Once the view catches up, the next quiesce passes all its steps and the worker is captured. The
-capture is asked for by hand (``dynsnap.io/desired-state: suspended``) with a serving peer, so
+capture is asked for by hand (the WorkerSnapshot's ``spec.override: Suspended``) with a serving peer, so
 min-active allows it and nothing else decides. Each quiesce is counted: the worker's Quiescing
 Event's ``series.count`` (or its Events) is the number of quiesces it went through.
 
@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import pytest
-from controllerenv import asleep, events_for, get_ws, history, policy, verified_after
+from controllerenv import asleep, events_for, get_ws, history, policy, set_override, verified_after
 from fake_held_link import HeldLink
 from realnodeenv import (
     WORKER_COMPONENT,
@@ -86,14 +86,12 @@ def graph(env: Env, name: str, frontend_env: list[Obj] | None = None) -> Obj:
 
 async def suspend_by_hand(env: Env, pod: NodePod) -> None:
     """What ``dynsnap suspend POD`` writes (here as the test's admin)."""
-    await env.api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "suspended"}}},
-                              namespace=pod.namespace)
+    await set_override(env.api, pod, "suspended")
 
 
 async def wake_by_hand(env: Env, pod: NodePod) -> None:
     """What ``dynsnap wake POD`` writes (here as the test's admin)."""
-    await env.api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "active"}}},
-                              namespace=pod.namespace)
+    await set_override(env.api, pod, "active")
 
 
 def quiesce_of(ws: Obj | None) -> Obj:

@@ -13,12 +13,11 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from controllerenv import asleep, get_ws, policy, verified_after, wait_ws
+from controllerenv import asleep, get_ws, policy, set_override, verified_after, wait_ws
 from otlp_collector import Collector
 from realnodeenv import WORKER_COMPONENT, Env, component_policy, deployed
 
 from dynsnap.k8s.client import Obj
-from dynsnap.models import protocol as P
 from dynsnap.models import resources as R
 from dynsnap.telemetry.tracing import TraceParent
 from dynsnap.testenv import chart_node
@@ -91,8 +90,7 @@ async def test_capture_and_wake_are_one_trace_each_sent_to_the_collector_and_cou
         ws = await wait_ws(env, pod, "capture traced", lambda w: bool(
             w and (w["status"]["controller"].get("traced") or [])), timeout=30)
         since = (ws["status"].get("lastWake") or {}).get("id")
-        await env.api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "active"}}},
-                                  namespace=pod.namespace)
+        await set_override(env.api, pod, "active")
         ws = await wait_ws(env, pod, "woken and verified", verified_after(since), timeout=90)
         st = ws["status"]
         # The capture: the controller's quiesce record and the agent's capture record name one trace.

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from controllerenv import Load, asleep, get_ws, policy, verified_after, wait_ws
+from controllerenv import Load, asleep, get_ws, policy, set_override, verified_after, wait_ws
 from realnodeenv import SHARED_VALUES, WORKER_COMPONENT, Env, component_policy, deployed, edit_dgd
 from realnodefacts import container_procs
 
@@ -203,8 +203,7 @@ async def test_a_route_that_fails_or_hangs_is_named_bounded_and_the_worker_serve
         assert err["step"] == "engine-sleep" and says in err["message"], err
         # Held awake from here (the user's `dynsnap wake`), so the controller's next try cannot put it to
         # sleep before the request below: what it proves is the rollback, so no wake may come between.
-        await env.api.merge_patch(R.PODS, pod.name, {"metadata": {"annotations": {P.ANN_DESIRED_STATE: "active"}}},
-                                  namespace=pod.namespace)
+        await set_override(env.api, pod, "active")
         # Rolled back (the wake route undoes a half sleep) and in serving again: a request pinned to it.
         await _served_pinned(env, pod, "after the fault")
         after = await get_ws(env.api, pod)
