@@ -461,6 +461,19 @@ MUTATIONS = (
         "            bound = asyncio.timeout(None)\n",
         tests=["tests/unit/test_workqueue.py::test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again"]),
     mutation(
+        "queue-no-group-limit", "one graph's keys may hold every reconcile worker (issue 39: the group limit "
+        "ignored)", "dynsnap/runtime/workqueue.py",
+        "            if self.group_limit and self._active.get(g, 0) >= self.group_limit:\n",
+        "            if False:\n",
+        tests=["tests/unit/test_workqueue.py::test_one_graphs_stuck_reconciles_hold_at_most_their_share_of_the_workers",
+               "tests/unit/test_workqueue.py::test_a_group_at_its_limit_waits_and_is_served_again_when_one_of_its_keys_is_done"]),
+    mutation(
+        "queue-groups-not-in-turn", "the waiting keys are served first come first served, one graph's backlog "
+        "before another's one key (issue 39)", "dynsnap/runtime/workqueue.py",
+        "            self._turns.rotate(-1)\n",
+        "            pass\n",
+        tests=["tests/unit/test_workqueue.py::test_the_groups_waiting_keys_are_taken_in_turn"]),
+    mutation(
         "queue-not-shut-on-stop", "a stopping agent cancels its workers without shutting its queue down first: a "
         "worker whose cancellation went missing goes on reconciling", "dynsnap/runtime/manager.py",
         "        elif on_stop is not None:\n            on_stop()\n",

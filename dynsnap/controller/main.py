@@ -77,7 +77,8 @@ class Controller:
         self.wss = Informer(kube, R.WORKER_SNAPSHOTS, namespace=ns, indexers={"node": label(P.LABEL_NODE)},
                             name="workersnapshots", transform=slim)
         self.informers = [self.dgds, self.pods, self.dwms, self.slices, self.wss]
-        self.queue: WorkQueue[str] = WorkQueue(base_delay=0.2, max_delay=60.0)
+        self.queue: WorkQueue[str] = WorkQueue(base_delay=0.2, max_delay=60.0, group_of=self._graph_of,
+                                               group_limit=settings.workers_per_graph)
         self.frontend = Frontend(timeout=settings.verify_request_timeout)
         self.metrics = Metrics()
         self.metrics.add_refresh(self._refresh_metrics)
@@ -171,6 +172,14 @@ class Controller:
                 self._views.pop(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}", None)
         elif (key := F.dgd_key(pod)) is not None:
             self._enqueue_graph(key)  # a frontend came or went: verification and demand depend on it
+
+    def _graph_of(self, key: str) -> str:
+        """The work queue's group of a worker's key: its graph (``ns/dgd``, by its pod's label), so that one
+        graph's slow reconciles hold at most ``workers_per_graph`` of the workers; a pod not known, its own."""
+        ns, name = key.split("/", 1)
+        pod = self.pods.store.get(ns, name)
+        dgd = ((pod or {}).get("metadata", {}).get("labels") or {}).get(P.LABEL_DGD_NAME)
+        return f"{ns}/{dgd}" if dgd else key
 
     def _on_ws(self, typ: str, ws: Obj) -> None:
         pod = self.pods.store.get(ws["metadata"].get("namespace"), ws["metadata"]["name"])

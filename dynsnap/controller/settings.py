@@ -38,6 +38,10 @@ class ControllerSettings(BaseModel):
     workers: Annotated[int, Field(ge=1, le=64, description=(
         "Concurrent reconciles (one per worker pod at a time). Verification waits on HTTP, so a few keep "
         "one slow wake from holding up the rest."))] = 8
+    workers_per_graph: Annotated[int, Field(ge=1, le=64, description=(
+        "The most reconciles of one graph's workers at a time, of `workers`: a graph whose frontend answers "
+        "slowly (each exchange bounded, a reconcile by reconcile-timeout) holds at most this many, and the "
+        "graphs' waiting workers are taken in turn, so the others' wakes and deadlines go on."))] = 4
     scrape_interval: Annotated[float, Field(gt=0, description=(
         "Seconds between scrapes of each opted-in graph's frontend metrics (demand). 2 s: a burst of load "
         "is seen within one scrape of the mocker's time to first token; cheap (one GET per graph)."))] = 2.0

@@ -4,7 +4,10 @@
 - a key being processed is never handed to a second worker; adding it meanwhile marks it dirty
   and it comes back once the first worker is done;
 - ``add_after`` schedules a key for later (the reconcile's "look again after T");
-- ``add_rate_limited`` backs off per key (doubling from ``base`` to ``cap``) until ``forget``.
+- ``add_rate_limited`` backs off per key (doubling from ``base`` to ``cap``) until ``forget``;
+- fair between groups (``group_of``: a controller's graph of a key): the waiting keys of each group are
+  handed out in turn, one group after another, and with ``group_limit`` no group has more than that many
+  keys processed at once, so the workers one group's slow reconciles hold are at most its share.
 
 And the workers that drain it: :func:`run_workers` calls ``reconcile(key)``, which returns the
 seconds after which to look again (or None); an exception is logged and the key retried with
@@ -20,6 +23,7 @@ import contextlib
 import heapq
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -44,7 +48,14 @@ class QueueStats:
 class WorkQueue(Generic[K]):
     base_delay: float = 0.05
     max_delay: float = 300.0
-    _ready: list[K] = field(default_factory=list)
+    # Fair share: the group of a key (None: one group), and the most keys of one group processed at once
+    # (0: no limit). A group's keys wait in its own line; the lines are served in turn.
+    group_of: Callable[[K], str] | None = None
+    group_limit: int = 0
+    _lines: dict[str, deque[K]] = field(default_factory=dict)
+    _turns: deque[str] = field(default_factory=deque)  # the groups with a key waiting, in the order served
+    _active: dict[str, int] = field(default_factory=dict)  # group -> its keys being processed
+    _group: dict[K, str] = field(default_factory=dict)  # a key processed -> the group it was counted in
     _queued: set[K] = field(default_factory=set)
     _processing: set[K] = field(default_factory=set)
     _dirty: set[K] = field(default_factory=set)
@@ -58,12 +69,12 @@ class WorkQueue(Generic[K]):
         self._wakeup = asyncio.Event()
 
     def __len__(self) -> int:
-        return len(self._ready)
+        return len(self._queued)
 
     @property
     def depth(self) -> int:
         """Keys waiting now (not counting those scheduled for later or being processed)."""
-        return len(self._ready)
+        return len(self._queued)
 
     def add(self, key: K) -> None:
         if self._shutdown:
@@ -75,7 +86,12 @@ class WorkQueue(Generic[K]):
         if key in self._queued:
             return
         self._queued.add(key)
-        self._ready.append(key)
+        g = self.group_of(key) if self.group_of is not None else ""
+        line = self._lines.get(g)
+        if line is None:
+            line = self._lines[g] = deque()
+            self._turns.append(g)
+        line.append(key)
         self._wakeup.set()
 
     def add_after(self, key: K, delay: float) -> None:
@@ -112,17 +128,43 @@ class WorkQueue(Generic[K]):
             if self._shutdown:
                 raise ShutDown
             wait = self._promote_timers()
-            if self._ready:
-                key = self._ready.pop(0)
-                self._queued.discard(key)
-                self._processing.add(key)
+            key = self._next()
+            if key is not None:
                 return key
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), wait if wait is not None else 3600.0)
 
+    def _next(self) -> K | None:
+        """The first waiting key of the first group in turn that is under its limit; that group goes to the
+        back of the turns (None: nothing waiting, or every group with a key at its limit)."""
+        for _ in range(len(self._turns)):
+            g = self._turns[0]
+            self._turns.rotate(-1)
+            if self.group_limit and self._active.get(g, 0) >= self.group_limit:
+                continue
+            line = self._lines[g]
+            key = line.popleft()
+            if not line:
+                del self._lines[g]
+                self._turns.remove(g)
+            self._queued.discard(key)
+            self._processing.add(key)
+            self._group[key] = g
+            self._active[g] = self._active.get(g, 0) + 1
+            return key
+        return None
+
     def done(self, key: K) -> None:
         self._processing.discard(key)
+        g = self._group.pop(key, None)
+        if g is not None:
+            n = self._active.get(g, 0) - 1
+            if n > 0:
+                self._active[g] = n
+            else:
+                self._active.pop(g, None)
+            self._wakeup.set()  # a group at its limit may be served again
         if key in self._dirty:
             self._dirty.discard(key)
             self.add(key)

@@ -133,3 +133,62 @@ async def test_a_timeout_of_the_reconciles_own_is_a_failure_not_the_bound(caplog
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert len(said) == 1 and said[0][0] == "ERROR" and said[0][1].startswith("agent a failed; again in"), said
     assert caplog.records[-1].exc_info is not None and "its own wait" in str(caplog.records[-1].exc_info[1])
+
+
+def _graph(key: str) -> str:
+    return key.split("-")[0]
+
+
+async def test_the_groups_waiting_keys_are_taken_in_turn() -> None:
+    """Ten keys of graph a waiting, then one of graph b: b's goes second, not eleventh."""
+    q: WorkQueue[str] = WorkQueue(group_of=_graph)
+    for i in range(10):
+        q.add(f"a-{i}")
+    q.add("b-0")
+    assert [await q.get() for _ in range(4)] == ["a-0", "b-0", "a-1", "a-2"]
+    assert q.depth == 7
+
+
+async def test_a_group_at_its_limit_waits_and_is_served_again_when_one_of_its_keys_is_done() -> None:
+    q: WorkQueue[str] = WorkQueue(group_of=_graph, group_limit=2)
+    for i in range(3):
+        q.add(f"a-{i}")
+    first, second = await q.get(), await q.get()
+    assert (first, second) == ("a-0", "a-1")
+    assert q._next() is None and q.depth == 1  # a-2 waits: its graph holds two
+    waiting = asyncio.create_task(q.get())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    q.done(first)
+    assert await asyncio.wait_for(waiting, 5) == "a-2"
+
+
+async def test_one_graphs_stuck_reconciles_hold_at_most_their_share_of_the_workers() -> None:
+    """Graph a's reconciles never return (a frontend that trickles, before their bound): a holds 2 of the 4
+    workers, and graph b's key, added once a's hold what they may, is reconciled all the same. (Without
+    the limit every worker is held by a's keys and b's never runs.)"""
+    q: WorkQueue[str] = WorkQueue(group_of=_graph, group_limit=2)
+    release, b_done = asyncio.Event(), asyncio.Event()
+    running: set[str] = set()
+
+    async def reconcile(key: str) -> float | None:
+        running.add(key)
+        if key.startswith("b"):
+            b_done.set()
+            return None
+        await release.wait()
+        return None
+    for i in range(6):
+        q.add(f"a-{i}")
+    workers = asyncio.create_task(run_workers(q, reconcile, workers=4))
+    try:
+        for _ in range(100):  # every worker has had its turn at the queue (bounded)
+            await asyncio.sleep(0)
+        assert running == {"a-0", "a-1"}  # the other two workers wait: a is at its limit
+        q.add("b-0")  # then b needs a reconcile
+        await asyncio.wait_for(b_done.wait(), 10)
+        assert {k for k in running if k.startswith("a")} == {"a-0", "a-1"}
+    finally:
+        release.set()
+        q.shutdown()
+        await asyncio.wait_for(workers, 10)
