@@ -117,7 +117,7 @@ def holder_graph(env: Env, name: str, launcher: Path) -> Obj:
     (EPERM), so only such a container's processes can take a descriptor from another process."""
     body = graph(env, name, "snapshot", f'exec python3 {launcher} --fd-holder {HOLDER} -- "$@"')
     main = host_dir_mounted(body, FAULTS_VOLUME, launcher.parent)
-    main["securityContext"]["capabilities"]["add"].append("SYS_PTRACE")
+    main.setdefault("securityContext", {}).setdefault("capabilities", {}).setdefault("add", []).append("SYS_PTRACE")
     return body
 
 
