@@ -461,6 +461,12 @@ MUTATIONS = (
         "            bound = asyncio.timeout(None)\n",
         tests=["tests/unit/test_workqueue.py::test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again"]),
     mutation(
+        "criu-kill-said-after-its-log", "a CRIU killed from outside is summed up by the lines it logged before, "
+        "not by the kill", CRIU_LOG,
+        "        if self.cause == \"killed\":\n",
+        "        if False:\n",
+        tests=["tests/unit/test_agent_criu.py::test_a_criu_killed_from_outside_says_so_first_whatever_it_logged_before"]),
+    mutation(
         "queue-no-group-limit", "one graph's keys may hold every reconcile worker (issue 39: the group limit "
         "ignored)", "dynsnap/runtime/workqueue.py",
         "            if self.group_limit and self._active.get(g, 0) >= self.group_limit:\n",

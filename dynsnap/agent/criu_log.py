@@ -52,7 +52,12 @@ class CriuError(RuntimeError):
         """CRIU's own error and warning lines, the one that ended the run first (not the last lines it logged
         before giving up, which at -v4 are often its vdso or cgroup chatter, nor an earlier error it went on
         from); the agent's own account and the log's tail where it logged no error line; the agent's
-        account alone where there is no log (a CRIU that never started: its launcher's words)."""
+        account alone where there is no log (a CRIU that never started: its launcher's words). A CRIU killed
+        from outside: the agent's account first (``... was killed (signal 9)``), then the lines it logged
+        before, which say nothing of why it stopped (a kerndat probe's ``tun: Unable to create tun`` on the
+        first run of a node, seen when a pod killed CRIU mid-restore)."""
+        if self.cause == "killed":
+            return "\n".join([self.message, *self.errors]) if self.errors else self.message
         if self.errors:
             rest = [x for x in self.errors if x != self.decisive]
             return "\n".join(([self.decisive] if self.decisive else []) + rest)

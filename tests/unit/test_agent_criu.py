@@ -212,3 +212,16 @@ def test_pages_read_sums_the_restorers_lines_and_is_none_for_stocks_loop(tmp_pat
     log.write_text("(00.04) pie: 15: Preadv 0x7f00:4096... (3 iovs)\n")  # stock CRIU's loop, at -v4
     assert pages_read(log) is None
     assert pages_read(tmp_path / "missing.log") is None
+
+
+def test_a_criu_killed_from_outside_says_so_first_whatever_it_logged_before(tmp_path: Path) -> None:
+    """A restore SIGKILLed mid-way (by a pod that sees CRIU in its pid namespace) after CRIU logged a
+    non-fatal kerndat error: the summary, which a person reads first, leads with the kill, then that line;
+    the cause is ``killed``, not what the line would suggest."""
+    log = tmp_path / "restore.log"
+    log.write_text("(00.001000) Error (criu/tun.c:85): tun: Unable to create tun: No such file or directory\n"
+                   "(00.020000) Restoring the tree\n")
+    e = CriuError("criu restore was killed (signal 9): ", log_path=log, signal=9)
+    assert e.cause == "killed"
+    assert e.summary.splitlines()[0] == "criu restore was killed (signal 9): "
+    assert "tun: Unable to create tun" in e.summary.splitlines()[1]

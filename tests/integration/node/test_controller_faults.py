@@ -461,9 +461,10 @@ async def test_bad_annotation_mid_quiesce_calls_the_capture_off_and_the_worker_s
     why all along. Left as it was, a typo would keep it out of serving with Active wanted."""
     victim, peer = _workers(cycle)
     await _baseline(env, proxy, cycle)
-    generation = (await get_ws(env.api, victim) or {})["metadata"]["generation"]
     try:
         await _hold_at(env, proxy, victim, "gate-false")
+        # (the override is the WorkerSnapshot's spec too: its own write is a generation before this one)
+        generation = (await get_ws(env.api, victim) or {})["metadata"]["generation"]
         await _set_tier(env, cycle, "deep")
         problem = f"{P.ANN_TIER}='deep': must be one of suspend, snapshot"
         await wait_ws(env, victim, "PolicyValid=False", _policy_invalid(problem), timeout=60)
