@@ -23,6 +23,8 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -49,18 +51,35 @@ class Bench:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
 
     def cli(self, *args: str, timeout: float = 300) -> dict:
+        """One dynsnap-cuda call: its exit, wall time, output, and its own peak resident size (``maxrss_kib``,
+        from wait4(2) of that child alone: what the agent's cgroup holds for it while it runs; issue 39's
+        agent memory limit is set from it)."""
         cmd = [self.bin, *args]
         t0 = time.monotonic()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+            timer = threading.Timer(timeout, proc.kill)
+            timer.start()
+            try:
+                _, status, usage = os.wait4(proc.pid, 0)
+            finally:
+                timer.cancel()
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
         wall = time.monotonic() - t0
-        per_pid = [r for r in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")) if "pid" in r]
-        self.say(f"$ {shlex.join(['dynsnap-cuda', *args])}  -> rc={p.returncode} {wall:.3f}s")
-        if p.stderr.strip():
-            self.say(f"  stderr: {p.stderr.strip()}")
-        if p.stdout.strip() and not per_pid:
-            self.say(f"  stdout: {p.stdout.strip()}")
-        return {"rc": p.returncode, "wall_s": wall, "json": per_pid, "stdout": p.stdout,
-                "stderr": p.stderr.strip(), "cmd": shlex.join(["dynsnap-cuda", *args])}
+        maxrss = int(usage.ru_maxrss)  # KiB on Linux
+        per_pid = [r for r in (json.loads(x) for x in stdout.splitlines() if x.startswith("{")) if "pid" in r]
+        self.say(f"$ {shlex.join(['dynsnap-cuda', *args])}  -> rc={proc.returncode} {wall:.3f}s "
+                 f"maxrss {maxrss / 1024:.1f} MiB")
+        if stderr.strip():
+            self.say(f"  stderr: {stderr.strip()}")
+        if stdout.strip() and not per_pid:
+            self.say(f"  stdout: {stdout.strip()}")
+        self.results.setdefault("helper_maxrss_kib", []).append({"args": list(args), "maxrss_kib": maxrss})
+        return {"rc": proc.returncode, "wall_s": wall, "json": per_pid, "stdout": stdout,
+                "stderr": stderr.strip(), "cmd": shlex.join(["dynsnap-cuda", *args]), "maxrss_kib": maxrss}
 
     def worker(self, gib: int, seed: int) -> subprocess.Popen:
         t0 = time.monotonic()
