@@ -239,7 +239,7 @@ async def request(kube: Kube, *, action: str, namespace: str, pod: str, timeout:
 async def _set_override(kube: Kube, *, action: str, namespace: str, pod: str, out: TextIO) -> Obj:
     """The override on ``pod``'s WorkerSnapshot (``spec.override``; after the checks of :func:`_target`);
     the WorkerSnapshot as it was before. The pod itself is not written: people who drive dynsnap need no
-    right to patch pods (docs/install.md, "Who may do what")."""
+    right to patch pods (deploy/rbac/user.yaml)."""
     obj, ws = await _target(kube, namespace, pod)
     value = OVERRIDE_VALUE[action]
     before = (ws.get("spec") or {}).get("override")
