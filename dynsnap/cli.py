@@ -262,7 +262,7 @@ def _add_user_commands(sub: Any) -> None:
     st.add_argument("--timeline", metavar="POD", help="write a PNG timeline of POD's last quiesce, capture, wake "
                     "and verification, each step with its duration (needs matplotlib: pip install 'dynsnap[plots]')")
     for action, what in (("suspend", "put one worker to sleep"), ("wake", "wake one worker and prove it")):
-        p = sub.add_parser(action, help=f"{what}: set the override on its WorkerSnapshot (spec.override) and follow it")
+        p = sub.add_parser(action, help=f"{what}: set the override on its WorkerSnapshot and follow it")
         p.add_argument("pod", metavar="POD", help="the worker pod", nargs="?" if action == "wake" else None)
         if action == "wake":
             p.add_argument("--all", action="store_true", help="every worker dynsnap manages in the namespace, "

@@ -6,9 +6,9 @@ Two graphs of examples/dgd/agg.yaml with 4 workers each, one at tier suspend and
 (min-active 1: three of each may sleep). After both are Ready, the peak resident size (VmHWM) of the
 agent's and the controller's processes is set back to their resident size now (proc(5), clear_refs 5),
 then ``--rounds`` rounds: the six workers that may sleep asked to sleep at once (the WorkerSnapshot's
-spec.override, as ``dynsnap suspend`` writes it), every one asleep, then all woken at once and every
-wake verified. Prints each process's resident size before, its peak over the rounds and its size after,
-in MiB, and one JSON line with the same.
+``dynsnap.io/override`` annotation, as ``dynsnap suspend`` writes it), every one asleep, then all woken
+at once and every wake verified. Prints each process's resident size before, its peak over the rounds
+and its size after, in MiB, and one JSON line with the same.
 
 From the repository root, as root, with the environment of `./run env` (its own bridge and /16):
 
@@ -30,6 +30,7 @@ from typing import Any
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]  # the repository's dynsnap, run as a script
 
 from dynsnap.k8s.client import Obj  # noqa: E402
+from dynsnap.models import protocol as P  # noqa: E402
 from dynsnap.models import resources as R  # noqa: E402
 from dynsnap.runtime import procfs  # noqa: E402
 from dynsnap.testenv import chart_node  # noqa: E402
@@ -71,7 +72,8 @@ async def ws_of(env: chart_node.Env, w: NodePod) -> Obj:
 
 
 async def set_override(env: chart_node.Env, w: NodePod, value: str | None) -> None:
-    await env.api.merge_patch(R.WORKER_SNAPSHOTS, w.name, {"spec": {"override": value}}, namespace=w.namespace)
+    await env.api.merge_patch(R.WORKER_SNAPSHOTS, w.name, {"metadata": {"annotations": {P.ANN_OVERRIDE: value}}},
+                              namespace=w.namespace)
 
 
 def asleep(ws: Obj) -> bool:

@@ -87,11 +87,12 @@ def labels(obj: Obj) -> dict[str, str]:
 
 
 def override_of(pod: Obj, ws: WorkerSnapshot | None) -> tuple[str | None, str | None, bool]:
-    """A person's override of the worker: its WorkerSnapshot's ``spec.override``, else (deprecated) the pod's
-    ``dynsnap.io/desired-state``. (``"Suspended"``/``"Active"``/None, the annotation's problem or None,
-    whether the deprecated annotation is what was read.)"""
-    if ws is not None and ws.spec.override is not None:
-        return ws.spec.override.value, None, False
+    """A person's override of the worker: its WorkerSnapshot's ``dynsnap.io/override`` annotation, else
+    (deprecated) the pod's ``dynsnap.io/desired-state``. (``"Suspended"``/``"Active"``/None, the problem of
+    a value that is neither or None, whether the deprecated pod annotation is what was read.)"""
+    if ws is not None and P.ANN_OVERRIDE in ws.metadata.annotations:
+        value, bad = parse_override(ws.metadata.annotations[P.ANN_OVERRIDE], key=P.ANN_OVERRIDE)
+        return value, bad, False
     raw = annotations_of(pod).get(P.ANN_DESIRED_STATE)
     value, bad = parse_override(raw)
     return value, bad, raw is not None

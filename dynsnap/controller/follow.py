@@ -5,7 +5,8 @@ table (``dynsnap.controller.userview``); with ``watch`` it keeps watching and pr
 row whose content changed, until SIGINT/SIGTERM.
 
 ``request`` is the manual override: after checking that the pod exists and that dynsnap manages it
-(it has a WorkerSnapshot naming its UID), it merge-patches the WorkerSnapshot's ``spec.override``
+(it has a WorkerSnapshot naming its UID), it merge-patches the WorkerSnapshot's ``dynsnap.io/override``
+annotation
 (with the WorkerSnapshot's UID in the patch, so one made anew in between is refused, not written;
 the pod is never written: the pod annotation ``dynsnap.io/desired-state`` of earlier releases is
 deprecated) and follows the pod's WorkerSnapshot through an ``Informer`` (a field selector on its
@@ -237,15 +238,16 @@ async def request(kube: Kube, *, action: str, namespace: str, pod: str, timeout:
 
 
 async def _set_override(kube: Kube, *, action: str, namespace: str, pod: str, out: TextIO) -> Obj:
-    """The override on ``pod``'s WorkerSnapshot (``spec.override``; after the checks of :func:`_target`);
+    """The override on ``pod``'s WorkerSnapshot (its ``dynsnap.io/override`` annotation; after the checks of
+    :func:`_target`);
     the WorkerSnapshot as it was before. The pod itself is not written: people who drive dynsnap need no
     right to patch pods (deploy/rbac/user.yaml)."""
     obj, ws = await _target(kube, namespace, pod)
     value = OVERRIDE_VALUE[action]
-    before = (ws.get("spec") or {}).get("override")
+    before = (ws["metadata"].get("annotations") or {}).get(P.ANN_OVERRIDE)
     # The UID in the patch makes the API server refuse it (immutable field) if the WorkerSnapshot was made
     # anew since we read it (its pod recreated): the override goes on the worker that was checked, or nowhere.
-    patch = {"metadata": {"uid": ws["metadata"]["uid"]}, "spec": {"override": value}}
+    patch = {"metadata": {"uid": ws["metadata"]["uid"], "annotations": {P.ANN_OVERRIDE: value}}}
     try:
         await kube.merge_patch(R.WORKER_SNAPSHOTS, pod, patch, namespace=namespace)
     except Invalid as e:

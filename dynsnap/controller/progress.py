@@ -39,7 +39,7 @@ TIMEOUT: Final = 3
 
 SUSPEND: Final = "suspend"
 WAKE: Final = "wake"
-OVERRIDE_VALUE: Final = {SUSPEND: "Suspended", WAKE: "Active"}  # the WorkerSnapshot's spec.override
+OVERRIDE_VALUE: Final = {SUSPEND: "Suspended", WAKE: "Active"}  # the WorkerSnapshot's dynsnap.io/override
 
 
 @dataclass(frozen=True)

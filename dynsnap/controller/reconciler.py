@@ -112,7 +112,7 @@ class Reconciler:
         elif deprecated:
             await self.ctx.say(pod, "Warning", Reason.DEPRECATED_OVERRIDE, (
                 f"{P.ANN_DESIRED_STATE} on the pod is deprecated and read only while the WorkerSnapshot has no "
-                "spec.override: use `dynsnap suspend|wake` (it writes spec.override), then remove the annotation"),
+                f"{P.ANN_OVERRIDE}: use `dynsnap suspend|wake` (it writes that), then remove the pod's annotation"),
                 occurrence=s.pod_uid)
         for phase_step in (W.reconcile_request_wake, C.reconcile_capture, W.reconcile_wake):
             done = await phase_step(self.ctx, s, policy)

@@ -184,8 +184,9 @@ def _combination_problems(ann: Mapping[str, str], fields: Mapping[str, object]) 
     return out
 
 
-def parse_override(value: str | None) -> tuple[str | None, str | None]:
-    """The pod's manual override: (``"Suspended"``/``"Active"``/None, problem or None)."""
+def parse_override(value: str | None, *, key: str = P.ANN_DESIRED_STATE) -> tuple[str | None, str | None]:
+    """A manual override's value (``key``: where it was read): (``"Suspended"``/``"Active"``/None, problem or
+    None); either case."""
     if value is None:
         return None, None
     v = value.strip().lower()
@@ -193,4 +194,4 @@ def parse_override(value: str | None) -> tuple[str | None, str | None]:
         return P.DesiredState.SUSPENDED.value, None
     if v == "active":
         return P.DesiredState.ACTIVE.value, None
-    return None, f"{P.ANN_DESIRED_STATE}={value!r}: must be suspended or active"
+    return None, f"{key}={value!r}: must be suspended or active"

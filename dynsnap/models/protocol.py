@@ -54,7 +54,11 @@ ANN_WAKE_ON_REQUEST: Final = "dynsnap.io/wake-on-request"
 POLICY_ANNOTATIONS: Final = (ANN_ENABLED, ANN_IDLE_AFTER, ANN_TIER, ANN_MIN_ACTIVE, ANN_VERIFY_REQUESTS,
                              ANN_WAKE_AT_INFLIGHT, ANN_ON_FAILED_WAKE, ANN_ENGINE_SLEEP_LEVEL, ANN_WAKE_ON_REQUEST)
 # The manual override, on a worker pod: suspended | active (`dynsnap suspend|wake POD` sets it).
-ANN_DESIRED_STATE: Final = "dynsnap.io/desired-state"
+ANN_DESIRED_STATE: Final = "dynsnap.io/desired-state"  # the pod's override of earlier releases (deprecated)
+# A person's override of one worker, on its WorkerSnapshot (``Suspended`` or ``Active``), written by
+# `dynsnap suspend|wake`: an annotation, not a spec field, so that it is no new spec generation, which the
+# agent takes as a new request (a failed step tried again at once).
+ANN_OVERRIDE: Final = "dynsnap.io/override"
 # On a WorkerSnapshot, set by the controller with each desiredState change: the W3C traceparent of
 # the capture or wake it asks for, so the agent's spans join the controller's trace.
 ANN_TRACEPARENT: Final = "dynsnap.io/traceparent"

@@ -28,10 +28,10 @@ CONTROLLER_REASON_DOCS: Final[dict[Reason, ReasonDoc]] = {
     Reason.DEPRECATED_OVERRIDE: ReasonDoc(
         POLICY, "refusal", "Warning Event on the pod (controller), once per pod",
         "The pod carries `dynsnap.io/desired-state`, the override of earlier releases, and its WorkerSnapshot "
-        "has no `spec.override`: the annotation is still obeyed, for this release. The override lives on the "
+        "has no `dynsnap.io/override`: the annotation is still obeyed, for this release. The override lives on the "
         "WorkerSnapshot now, which dynsnap owns, so that people who drive dynsnap need no right to patch pods "
         "(which would let them change a pod's image).",
-        "Use `dynsnap suspend|wake POD` (it writes the WorkerSnapshot's `spec.override`, which wins over the "
+        "Use `dynsnap suspend|wake POD` (it writes the WorkerSnapshot's `dynsnap.io/override`, which wins over the "
         "annotation), and remove the annotation."),
     Reason.MIN_ACTIVE: ReasonDoc(
         POLICY, "refusal", "Warning Event on the pod (controller)",

@@ -69,11 +69,6 @@ class WorkerSnapshotSpec(_Model):
         "serving (its pod Ready, its endpoint and registration kept), GPU memory freed, and the first request "
         "that reaches it wakes it. The controller sets it for the last worker of a component with "
         "dynsnap.io/wake-on-request."))] = False
-    override: Annotated[DesiredState | None, Field(description=(
-        "A person's word on the worker, over the policy: Suspended keeps it asleep, Active awake, until it is "
-        "set to the other or removed (the policy decides again). Written by `dynsnap suspend|wake POD`; the "
-        "controller alone writes desiredState. The pod annotation dynsnap.io/desired-state said the same "
-        "before (deprecated: read while this is unset, with a Warning DeprecatedOverride)."))] = None
 
 
 class Condition(_Model):

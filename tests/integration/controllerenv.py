@@ -245,10 +245,10 @@ def gate_of(pod: Obj) -> str | None:
 
 
 async def set_override(api: Kube, pod: PodRef, value: str | None) -> None:
-    """What ``dynsnap suspend|wake POD`` writes: the WorkerSnapshot's ``spec.override`` (``suspended`` or
+    """What ``dynsnap suspend|wake POD`` writes: the WorkerSnapshot's ``dynsnap.io/override`` (``suspended`` or
     ``active``, any case; None takes it away), by a merge patch."""
-    spec = {"override": value.capitalize() if value is not None else None}
-    await api.merge_patch(R.WORKER_SNAPSHOTS, pod.name, {"spec": spec}, namespace=pod.namespace)
+    ann = {P.ANN_OVERRIDE: value.capitalize() if value is not None else None}
+    await api.merge_patch(R.WORKER_SNAPSHOTS, pod.name, {"metadata": {"annotations": ann}}, namespace=pod.namespace)
 
 
 async def events_for(api: Kube, namespace: str, name: str) -> list[Obj]:

@@ -26,7 +26,7 @@ from dynsnap.testenv.real_graph import NodePod
 
 
 async def override(env: Env, w: NodePod, value: str | None) -> None:
-    """``dynsnap suspend|wake POD`` (``suspended``, ``active``): the WorkerSnapshot's ``spec.override``, as the
+    """``dynsnap suspend|wake POD`` (``suspended``, ``active``): the WorkerSnapshot's ``dynsnap.io/override``, as the
     CLI writes it; None takes it away."""
     await controllerenv.set_override(env.api, w, value)
 

@@ -7,7 +7,7 @@ No Dynamo and no agent here: the pods are API objects on kwok's fake nodes, and 
 agent and the controller by writing the WorkerSnapshot's status as each does (server-side apply of
 status under the agent's field manager for its part, under the controller's for ``status.controller``
 and ``Verified``). What is asserted is what the commands print, the exit code they end with, and
-what they changed (the WorkerSnapshot's ``spec.override``, under the CLI's field manager) or did not;
+what they changed (the WorkerSnapshot's ``dynsnap.io/override``, under the CLI's field manager) or did not;
 the pod is never written (the role has no ``pods: patch`` since the override left the pod annotation).
 """
 
@@ -118,9 +118,9 @@ class Worker:
         return await self.api.get(R.PODS, self.name, namespace=NS)
 
     async def override(self) -> str | None:
-        """The WorkerSnapshot's spec.override (what `dynsnap suspend|wake` writes)."""
+        """The WorkerSnapshot's dynsnap.io/override (what `dynsnap suspend|wake` writes)."""
         ws = await self.api.get(R.WORKER_SNAPSHOTS, self.name, namespace=NS)
-        value: str | None = (ws.get("spec") or {}).get("override")
+        value: str | None = (ws["metadata"].get("annotations") or {}).get(P.ANN_OVERRIDE)
         return value
 
     async def agent(self, **status: Any) -> None:
@@ -355,7 +355,7 @@ async def test_wake_sets_the_override_and_exits_0_only_once_the_new_wake_is_veri
     assert await w.override() == "Active"
     ws = await cluster.api.get(R.WORKER_SNAPSHOTS, w.name, namespace=NS)
     managers = {m["manager"] for m in ws["metadata"].get("managedFields") or []
-                if "f:override" in json.dumps(m.get("fieldsV1"))}
+                if f"f:{P.ANN_OVERRIDE}" in json.dumps(m.get("fieldsV1"))}
     assert managers == {P.CLI_FIELD_MANAGER}
     pod = await w.pod()  # the pod is not written: the user role has no pods: patch
     assert P.ANN_DESIRED_STATE not in (pod["metadata"].get("annotations") or {})

@@ -531,8 +531,8 @@ async def test_an_uninstall_wakes_every_sleeper_before_dynsnap_goes(env: Env) ->
     assert by == {P.AGENT_FIELD_MANAGER}, by  # the agent woke it
     live = await env.api.get(R.PODS, w.name, namespace=w.namespace)
     assert live["metadata"]["uid"] == w.uid
-    assert ws["spec"]["override"] == "Active"  # the hook's `dynsnap wake --all`, on the WorkerSnapshot
-    assert any(m["manager"] == P.CLI_FIELD_MANAGER and "f:override" in str(m.get("fieldsV1"))
+    assert ws["metadata"]["annotations"][P.ANN_OVERRIDE] == "Active"  # the hook's `dynsnap wake --all`
+    assert any(m["manager"] == P.CLI_FIELD_MANAGER and f"f:{P.ANN_OVERRIDE}" in str(m.get("fieldsV1"))
                for m in ws["metadata"]["managedFields"])
     gone = await _release_objects(env)
     assert not any(gone.values()), gone

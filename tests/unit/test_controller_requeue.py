@@ -104,10 +104,10 @@ def test_a_pod_change_requeues_the_component_only_when_the_phase_moves(ctl: Cont
 
 
 def test_an_override_on_the_workersnapshot_requeues_the_component(ctl: Controller) -> None:
-    """``dynsnap suspend`` writes the WorkerSnapshot's spec.override: the plan changes, so the component's
+    """``dynsnap suspend`` writes the WorkerSnapshot's dynsnap.io/override: the plan changes, so the component's
     workers are looked at again; the same override written again changes nothing."""
     o = ws("g-w-2", "2")
-    o["spec"]["override"] = "Suspended"
+    o["metadata"]["annotations"] = {P.ANN_OVERRIDE: "Suspended"}
     assert changed(ctl, o) == W
     again = copy.deepcopy(o)
     again["metadata"]["resourceVersion"] = "3"
@@ -127,7 +127,7 @@ def test_the_override_is_the_workersnapshots_and_the_annotation_only_without_it(
     from dynsnap.models.workersnapshot import WorkerSnapshot
     w = ws("g-w-0")
     if spec:
-        w["spec"]["override"] = spec
+        w["metadata"]["annotations"] = {P.ANN_OVERRIDE: spec}
     p = pod("g-w-0")
     if annotation:
         p["metadata"]["annotations"] = {P.ANN_DESIRED_STATE: annotation}

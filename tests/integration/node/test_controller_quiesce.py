@@ -20,7 +20,7 @@ And the frontend's answer must be its explicit refusal of that instance (issue 1
   deadline.
 
 Once the view catches up, the next quiesce passes all its steps and the worker is captured. The
-capture is asked for by hand (the WorkerSnapshot's ``spec.override: Suspended``) with a serving peer, so
+capture is asked for by hand (the WorkerSnapshot's ``dynsnap.io/override: Suspended``) with a serving peer, so
 min-active allows it and nothing else decides. Each quiesce is counted: the worker's Quiescing
 Event's ``series.count`` (or its Events) is the number of quiesces it went through.
 
