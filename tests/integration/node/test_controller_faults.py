@@ -463,7 +463,7 @@ async def test_bad_annotation_mid_quiesce_calls_the_capture_off_and_the_worker_s
     await _baseline(env, proxy, cycle)
     try:
         await _hold_at(env, proxy, victim, "gate-false")
-        # (the override is the WorkerSnapshot's spec too: its own write is a generation before this one)
+        # read once the worker is held there: what must not move from here is the controller's spec
         generation = (await get_ws(env.api, victim) or {})["metadata"]["generation"]
         await _set_tier(env, cycle, "deep")
         problem = f"{P.ANN_TIER}='deep': must be one of suspend, snapshot"
