@@ -106,6 +106,9 @@ U_CGROUP = "tests/unit/test_agent_cgroup_check.py::"
 U_CONTAINER = "tests/unit/test_agent_container.py::"
 U_SCHEMA = "tests/unit/test_agent_entrypoint_schema.py::"
 U_HELPERS = "tests/unit/test_agent_helpers.py::"
+U_BOUNDED = "tests/unit/test_bounded_http.py::"
+U_QUEUE = "tests/unit/test_workqueue.py::"
+EDGE_UNBOUNDED_SAID = U_BOUNDED + "test_a_routable_sleeper_whose_gauge_trickles_is_said_once_and_woken_never"
 NODE_REFUSALS = "tests/integration/node/test_agent_refusals.py::"
 NODE_DIR = (NODE_REFUSALS
             + "test_a_control_directory_leading_to_a_node_directory_is_refused_and_that_directory_untouched")
@@ -377,33 +380,32 @@ MUTATIONS = (
         EDGE,
         "            if n and n > 0:\n",
         "            if False:\n",
-        tests=[WOR_TWO, "tests/unit/test_bounded_http.py::"
-                        "test_one_trickling_sleeper_delays_no_other_sleepers_wake_on_request"]),
+        tests=[WOR_TWO, U_BOUNDED + "test_one_trickling_sleeper_delays_no_other_sleepers_wake_on_request"]),
     mutation(
         "edge-one-round-for-all", "the wake-on-request watch waits for every sleeper's look each round", EDGE,
         "                        loops[key] = (s, start(s))\n",
         "                        await look(http, s)\n                        loops[key] = (s, start(s))\n",
-        tests=["tests/unit/test_bounded_http.py::test_one_trickling_sleeper_delays_no_other_sleepers_wake_on_request"]),
+        tests=[U_BOUNDED + "test_one_trickling_sleeper_delays_no_other_sleepers_wake_on_request"]),
     mutation(
         "edge-unbounded-said-every-look", "a routable sleeper whose gauge trickles is said at every look, not "
         "once per episode", EDGE,
         "                if said != e.cause and on_unbounded is not None:\n",
         "                if on_unbounded is not None:\n",
-        tests=["tests/unit/test_bounded_http.py::test_a_routable_sleeper_whose_gauge_trickles_is_said_once_and_woken_never"]),
+        tests=[EDGE_UNBOUNDED_SAID]),
     mutation(
         "edge-unbounded-unsaid", "a routable sleeper whose gauge trickles is never said", EDGE,
         "                    on_unbounded(s.key, e)\n",
         "                    pass\n",
-        tests=["tests/unit/test_bounded_http.py::test_a_routable_sleeper_whose_gauge_trickles_is_said_once_and_woken_never"]),
+        tests=[EDGE_UNBOUNDED_SAID]),
     mutation(
         "exchange-unbounded-in-time", "an exchange with a pod is bounded per read only (httpx's timeout)",
         "dynsnap/runtime/bounded_http.py", "        async with asyncio.timeout(deadline):\n",
         "        async with asyncio.timeout(None):\n",
-        tests=["tests/unit/test_bounded_http.py::test_a_trickled_body_ends_at_the_deadline_though_every_read_is_quick"]),
+        tests=[U_BOUNDED + "test_a_trickled_body_ends_at_the_deadline_though_every_read_is_quick"]),
     mutation(
         "exchange-unbounded-in-size", "an answer's body is read whatever its size", "dynsnap/runtime/bounded_http.py",
         "                    if len(body) > max_bytes:\n", "                    if False:\n",
-        tests=["tests/unit/test_bounded_http.py::test_an_answer_over_the_cap_is_refused_as_it_comes"]),
+        tests=[U_BOUNDED + "test_an_answer_over_the_cap_is_refused_as_it_comes"]),
     mutation(
         "request-wake-trigger-unrecorded", "the agent's wake for a request is not recorded as one (trigger)",
         NODE,
@@ -449,7 +451,7 @@ MUTATIONS = (
         "metrics-bound-said-every-scrape", "a worker whose metrics pass a bound is said at every scrape", NODE,
         "            if e.cause in (\"deadline\", \"size\") and self._unbounded.get(ws.key) != e.cause:\n",
         "            if e.cause in (\"deadline\", \"size\"):\n",
-        tests=["tests/unit/test_bounded_http.py::test_a_worker_whose_metrics_pass_a_bound_is_said_once_per_episode"]),
+        tests=[U_BOUNDED + "test_a_worker_whose_metrics_pass_a_bound_is_said_once_per_episode"]),
     mutation(
         "gate-written-by-name-only", "the controller's serving gate is written to whichever pod has the name",
         "dynsnap/controller/writes.py", "        if meta.get(\"uid\"):\n            ident[\"uid\"] = meta[\"uid\"]\n",
@@ -459,7 +461,7 @@ MUTATIONS = (
         "reconcile-unbounded", "a reconcile that never returns holds its worker for good (the bound ignored)",
         "dynsnap/runtime/workqueue.py", "            bound = asyncio.timeout(timeout)\n",
         "            bound = asyncio.timeout(None)\n",
-        tests=["tests/unit/test_workqueue.py::test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again"]),
+        tests=[U_QUEUE + "test_a_reconcile_past_its_bound_is_cancelled_counted_and_queued_again"]),
     mutation(
         "criu-kill-said-after-its-log", "a CRIU killed from outside is summed up by the lines it logged before, "
         "not by the kill", CRIU_LOG,
@@ -471,14 +473,14 @@ MUTATIONS = (
         "ignored)", "dynsnap/runtime/workqueue.py",
         "            if self.group_limit and self._active.get(g, 0) >= self.group_limit:\n",
         "            if False:\n",
-        tests=["tests/unit/test_workqueue.py::test_one_graphs_stuck_reconciles_hold_at_most_their_share_of_the_workers",
-               "tests/unit/test_workqueue.py::test_a_group_at_its_limit_waits_and_is_served_again_when_one_of_its_keys_is_done"]),
+        tests=[U_QUEUE + "test_one_graphs_stuck_reconciles_hold_at_most_their_share_of_the_workers",
+               U_QUEUE + "test_a_group_at_its_limit_waits_and_is_served_again_when_one_of_its_keys_is_done"]),
     mutation(
         "queue-groups-not-in-turn", "the waiting keys are served first come first served, one graph's backlog "
         "before another's one key (issue 39)", "dynsnap/runtime/workqueue.py",
         "            self._turns.rotate(-1)\n",
         "            pass\n",
-        tests=["tests/unit/test_workqueue.py::test_the_groups_waiting_keys_are_taken_in_turn"]),
+        tests=[U_QUEUE + "test_the_groups_waiting_keys_are_taken_in_turn"]),
     mutation(
         "queue-not-shut-on-stop", "a stopping agent cancels its workers without shutting its queue down first: a "
         "worker whose cancellation went missing goes on reconciling", "dynsnap/runtime/manager.py",

@@ -32,9 +32,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2])]  # the repository's dy
 from dynsnap.k8s.client import Obj  # noqa: E402
 from dynsnap.models import protocol as P  # noqa: E402
 from dynsnap.models import resources as R  # noqa: E402
-from dynsnap.runtime import procfs  # noqa: E402
 from dynsnap.testenv import chart_node  # noqa: E402
 from dynsnap.testenv.cluster import LocalCluster, wait_for  # noqa: E402
+from dynsnap.testenv.hostprocs import container_pid, peak_reset, status_kib  # noqa: E402
 from dynsnap.testenv.netns import SandboxNetwork  # noqa: E402
 from dynsnap.testenv.real_graph import NodePod  # noqa: E402
 
@@ -45,25 +45,6 @@ MIB = 1024
 
 def policy(tier: str) -> dict[str, str]:
     return {"dynsnap.io/enabled": "true", "dynsnap.io/idle-after": "1h", "dynsnap.io/tier": tier}
-
-
-def container_pid(pod: Obj, container: str) -> int:
-    """The host pid of ``pod``'s ``container``'s PID 1 (the lowest pid in that container's cgroups)."""
-    cid = next(c for c in pod["status"]["containerStatuses"] if c["name"] == container)["containerID"]
-    pids = [p for p in procfs.pod_pids(pod["metadata"]["uid"])
-            if any(cid.split("//")[1] in c for c in procfs.cgroup_paths(p))]
-    assert pids, f"no process of {pod['metadata']['name']}/{container}"
-    return min(pids)
-
-
-def kib(pid: int, name: str) -> int:
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(name + ":"))
-    return int(line.split()[1])
-
-
-def peak_reset(pid: int) -> None:
-    """The process's peak resident size (VmHWM) set back to its resident size now (proc(5), clear_refs 5)."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 async def ws_of(env: chart_node.Env, w: NodePod) -> Obj:
@@ -115,15 +96,15 @@ async def measure(rounds: int) -> dict[str, Any]:
                 body = chart_node.example_body(env, name=f"mem-{tier}", worker_replicas=4, policy=policy(tier))
                 graph = await chart_node.deploy_example(env, body)
                 sleepers += graph.workers(WORKER)[1:]  # min-active 1: the first stays serving
-            pids = {c: container_pid(await chart_node_pod(env, c), c) for c in ("agent", "controller")}
-            before = {c: kib(p, "VmRSS") for c, p in pids.items()}
+            pids = {c: container_pid(await env.chart_pod(c), c) for c in ("agent", "controller")}
+            before = {c: status_kib(p, "VmRSS") for c, p in pids.items()}
             for p in pids.values():
                 peak_reset(p)  # the peak, from now
             for r in range(rounds):
                 print(f"round {r + 1}: {len(sleepers)} workers to sleep and back", flush=True)
                 await one_round(env, sleepers)
-            out = {c: {"before_mib": before[c] / MIB, "peak_mib": kib(p, "VmHWM") / MIB,
-                       "after_mib": kib(p, "VmRSS") / MIB} for c, p in pids.items()}
+            out = {c: {"before_mib": before[c] / MIB, "peak_mib": status_kib(p, "VmHWM") / MIB,
+                       "after_mib": status_kib(p, "VmRSS") / MIB} for c, p in pids.items()}
             out["workers"] = 8
             out["rounds"] = rounds
             return out
@@ -131,12 +112,6 @@ async def measure(rounds: int) -> dict[str, Any]:
             await chart_node.stop(env)
     finally:
         await cluster.stop()
-
-
-async def chart_node_pod(env: chart_node.Env, component: str) -> Obj:
-    pods = [p for p in await env.chart_pods(component) if not p["metadata"].get("deletionTimestamp")]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
 
 
 def main() -> None:

@@ -134,6 +134,12 @@ class Env:
         sel = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
         return list((await self.api.list(R.PODS, namespace=NS, label_selector=sel))["items"])
 
+    async def chart_pod(self, component: str) -> Obj:
+        """The chart's one live pod of ``component`` (``controller``, ``agent``; one not being deleted)."""
+        pods = [p for p in await self.chart_pods(component) if not p["metadata"].get("deletionTimestamp")]
+        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+        return pods[0]
+
     async def pod_log(self, namespace: str, name: str, container: str, *, tail: int = 80,
                       previous: bool = False) -> str:
         """``kubectl logs`` (``--previous``: the container's last exited run): through the API server
@@ -200,16 +206,19 @@ async def upgrade(env: Env, values: Obj) -> None:
     await _install(env, values, upgrade=True)
 
 
+def _condition_true(pod: Obj, ctype: str) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == ctype and c["status"] == "True" for c in conds)
+
+
 def containers_ready(pod: Obj) -> bool:
     """The pod's ContainersReady condition is True (kubelet's account of its probes, gates aside)."""
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "ContainersReady" and c["status"] == "True" for c in conds)
+    return _condition_true(pod, "ContainersReady")
 
 
 def pod_ready(pod: Obj) -> bool:
     """The pod's Ready condition is True (kubelet's account)."""
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+    return _condition_true(pod, "Ready")
 
 
 async def _install(env: Env, values: Obj, *, upgrade: bool = False) -> None:
@@ -275,15 +284,19 @@ async def deploy_example(env: Env, body: Obj, *, timeout: float = 240, ready: bo
 KUBELET_STUCK_AFTER = 90.0
 
 
-def kubelet_says_ready(env: Env, namespace: str, name: str) -> bool:
-    """kubelet's own last word on the pod's readiness probe, in its log, is ``ready``."""
-    last = ""
+def kubelet_lines(env: Env, namespace: str, name: str) -> list[str]:
+    """The lines of the node's kubelet log that name the pod (none where the log cannot be read)."""
     mark = f'pod="{namespace}/{name}"'
     with contextlib.suppress(OSError):
-        for line in (env.node.layout.logs / "kubelet.log").read_text(errors="replace").splitlines():
-            if 'probe="readiness"' in line and mark in line:
-                last = line
-    return 'status="ready"' in last
+        return [x for x in (env.node.layout.logs / "kubelet.log").read_text(errors="replace").splitlines()
+                if mark in x]
+    return []
+
+
+def kubelet_says_ready(env: Env, namespace: str, name: str) -> bool:
+    """kubelet's own last word on the pod's readiness probe, in its log, is ``ready``."""
+    said = [x for x in kubelet_lines(env, namespace, name) if 'probe="readiness"' in x]
+    return bool(said) and 'status="ready"' in said[-1]
 
 
 async def wait_graph_ready(env: Env, graph: real_graph.Graph, *, timeout: float = 240) -> None:
@@ -304,13 +317,11 @@ async def wait_graph_ready(env: Env, graph: real_graph.Graph, *, timeout: float 
             stuck = [p.name for p in pods if not containers_ready(await env.api.get(R.PODS, p.name,
                                                                                     namespace=p.namespace))
                      and kubelet_says_ready(env, p.namespace, p.name)]
-            if not stuck:
-                await all_ready(timeout - KUBELET_STUCK_AFTER)
-            else:
+            if stuck:
                 print(f"KUBELET RACE: kubelet's prober says {stuck} ready, their status not, after "
                       f"{KUBELET_STUCK_AFTER:.0f} s (kubernetes/kubernetes#139244): restarting kubelet")
                 await node_restart.restart_kubelet(env.node)
-                await all_ready(timeout - KUBELET_STUCK_AFTER)
+            await all_ready(timeout - KUBELET_STUCK_AFTER)
     except TimeoutError:
         for p in pods:
             pod = await env.api.get(R.PODS, p.name, namespace=p.namespace)
@@ -366,11 +377,8 @@ async def why_not_ready(env: Env, pod: Obj) -> str:
         evs = (await env.api.list(R.EVENTS, namespace=namespace,
                                   field_selector=f"regarding.name={name}"))["items"]
         lines += [f"event {e.get('reason')} x{(e.get('deprecatedCount') or 1)}: {e.get('note')}" for e in evs]
-    with contextlib.suppress(OSError):
-        mark = f'pod="{namespace}/{name}"'
-        said = [x for x in (env.node.layout.logs / "kubelet.log").read_text(errors="replace").splitlines()
-                if mark in x and ("probe" in x or "status" in x.lower())]
-        lines += ["kubelet's log of it (probes, status):", *said[-12:]]
+    said = [x for x in kubelet_lines(env, namespace, name) if "probe" in x or "status" in x.lower()]
+    lines += ["kubelet's log of it (probes, status):", *said[-12:]]
     log = await env.pod_log(namespace, name, "main", tail=1_000_000)
     lines += ["log head:", collapsed(log), "log tail:", "\n".join(log.splitlines()[-20:])]
     if ip and port:

@@ -218,9 +218,7 @@ async def kubernetes_service(env: Env) -> tuple[str, int]:
 
 async def chart_pod(env: Env, component: str) -> Obj:
     """The chart's one live pod of ``component`` (``controller``, ``agent``; one not being deleted)."""
-    pods = [p for p in await env.chart_pods(component) if not p["metadata"].get("deletionTimestamp")]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
+    return await env.chart_pod(component)
 
 
 async def instance_id(env: Env, pod: real_graph.NodePod) -> int:

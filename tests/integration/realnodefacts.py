@@ -25,11 +25,13 @@ from dynsnap.models.ids import PodUID
 from dynsnap.runtime import procfs
 from dynsnap.runtime.command import run_command
 from dynsnap.testenv.dynsnap_parts import NSKEY_SHIFT, StubDriver
+from dynsnap.testenv.hostprocs import container_pid
 from dynsnap.testenv.node import RealNode
 from dynsnap.testenv.node_cleanup import CGROUP_FS
 from dynsnap.testenv.real_graph import KubeletFacts, kubelet_facts
 
-__all__ = ["KubeletFacts", "kubelet_facts"]  # real_graph's, where the demo reads them too
+# real_graph's, where the demo reads them too; hostprocs', where the benches read it too
+__all__ = ["KubeletFacts", "container_pid", "kubelet_facts"]
 
 SECURITY_FIELDS = ("Seccomp", "Seccomp_filters", "NoNewPrivs", "CapEff", "CapPrm", "CapBnd", "CapInh")
 
@@ -105,16 +107,6 @@ def stub_state(driver: StubDriver, pid: int) -> int:
     st, ns = procfs.status(pid), procfs.pid_ns(pid)
     assert st is not None and ns is not None
     return driver.states().get((ns << NSKEY_SHIFT) | st.nspid[-1], 0)
-
-
-def container_pid(pod: Obj, container: str) -> int:
-    """The host pid of ``pod``'s ``container``'s PID 1: the lowest pid of the pod's processes whose
-    cgroup paths name that container's id (as the pod's status reports it)."""
-    cid = next(c for c in pod["status"]["containerStatuses"] if c["name"] == container)["containerID"]
-    pids = [p for p in procfs.pod_pids(pod["metadata"]["uid"]) if any(cid.split("//")[1] in c for c in
-                                                                      procfs.cgroup_paths(p))]
-    assert pids, f"no process of {pod['metadata']['name']}/{container}"
-    return min(pids)
 
 
 def control_file(entrypoint: int) -> Obj:

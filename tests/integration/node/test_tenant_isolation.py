@@ -30,7 +30,6 @@ import pytest
 from controllerenv import asleep, events_for, get_ws, policy, verified_after
 from realnodecycle import override, wait_ws
 from realnodeenv import WORKER_COMPONENT, Env, chart_pod, deployed, worker_main
-from realnodefacts import container_pid
 from routablecheck import all_asleep
 
 from dynsnap.k8s.client import Obj
@@ -38,6 +37,7 @@ from dynsnap.models import protocol as P
 from dynsnap.testenv import chart_node
 from dynsnap.testenv import dynamo as D
 from dynsnap.testenv.cluster import wait_for
+from dynsnap.testenv.hostprocs import container_pid, peak_reset, status_kib
 from dynsnap.testenv.real_graph import ENGINE_ROOT, PACKAGE, Engine, Graph, NodePod, kubelet_facts
 
 pytestmark = pytest.mark.cluster
@@ -88,16 +88,6 @@ async def two_tenants(env: Env, modes: Path, hostile_body: Obj, benign_body: Obj
         yield h, b, env.fe
 
 
-def peak_reset(pid: int) -> None:
-    """The process's peak resident size (VmHWM) set back to its resident size now (proc(5), clear_refs 5)."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-
-
-def kib(pid: int, field: str) -> int:
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(field + ":"))
-    return int(line.split()[1])
-
-
 async def out_of_bounds(env: Env, pod: NodePod) -> list[str]:
     """The notes of the Warning MetricsOutOfBounds Events of ``pod``'s WorkerSnapshot."""
     return [str(e.get("note")) for e in await events_for(env.api, pod.namespace, pod.name)
@@ -116,7 +106,7 @@ async def test_a_tenants_trickling_and_huge_pages_hold_no_other_graphs_wake(env:
     async with two_tenants(env, modes, hostile_body, benign_body) as (h, b, _):
         agent = await chart_pod(env, "agent")
         pid = container_pid(agent, "agent")
-        before_kib = kib(pid, "VmRSS")
+        before_kib = status_kib(pid, "VmRSS")
         peak_reset(pid)
         trickling, swelling = h.workers(WORKER_COMPONENT)
         turn(modes, trickling, "trickle")
@@ -146,7 +136,7 @@ async def test_a_tenants_trickling_and_huge_pages_hold_no_other_graphs_wake(env:
         # while it read 512 MiB pages (kept whole before, several at once).
         assert container_pid(await chart_pod(env, "agent"), "agent") == pid
         assert agent_restarts(await chart_pod(env, "agent")) == agent_restarts(agent)
-        grew = kib(pid, "VmHWM") - before_kib
+        grew = status_kib(pid, "VmHWM") - before_kib
         print(f"the agent's resident size before the hostile pages: {before_kib} KiB; its peak after: "
               f"{before_kib + grew} KiB (+{grew} KiB)")
         assert grew < 256 * 1024, f"the agent's peak grew by {grew} KiB reading hostile pages"
